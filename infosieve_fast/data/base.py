@@ -1,0 +1,39 @@
+"""What the trainer consumes from any data source: batches of uint8 images with their GCD bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Batch:
+    """B samples at their stored size; augmentation (crop, flip, normalise) happens on the device."""
+
+    images: Tensor  # uint8 [B, C, H, W]
+    targets: Tensor  # long [B], class index with the known classes first (0..n_old-1)
+    uq: Tensor  # long [B], the sample's unique index 0..n_train-1 (indexes the pseudo-label table)
+    labelled: Tensor  # bool [B], True where the sample's label may be used for training
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.images, self.targets, self.uq, self.labelled)))
+
+
+class GCDSource(Protocol):
+    """A GCD train set: labelled samples of the known classes plus unlabelled samples of all classes."""
+
+    n_train: int  # samples in the train set (labelled + unlabelled); uq runs over 0..n_train-1
+    n_old: int  # known classes
+    n_classes: int  # known + novel classes
+
+    def feature_batches(self, batch_size: int) -> Iterator[Batch]:
+        """Every train sample exactly once (on this rank), in a fixed order, for the per-epoch feature pass."""
+        ...
+
+    def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
+        """One epoch of training batches, drawn with the configured labelled share, full batches only."""
+        ...
