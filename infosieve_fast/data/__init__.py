@@ -1,0 +1,32 @@
+"""Data sources for training: the embedded digits demo and WebDataset shards."""
+
+from __future__ import annotations
+
+from ..config import DataConfig, TrainConfig
+from .base import Batch, GCDSource
+from .memory import InMemoryGCD, digits
+
+__all__ = ["Batch", "GCDSource", "InMemoryGCD", "build_source", "digits"]
+
+
+def build_source(data: DataConfig, train: TrainConfig) -> GCDSource:
+    """The train set named by `data.source`, cut to `train.train_subset` samples when set (smoke runs)."""
+    if data.source == "digits":
+        source = digits(data.known_classes, data.labelled_prop, data.split_seed, data.image_size, data.labelled_share)
+        if train.train_subset is not None:
+            source = source.subset(train.train_subset)
+        return source
+    if not data.shards:
+        raise ValueError("data.source=shards needs data.shards: the folder written by `infosieve make-shards`")
+    if train.train_subset is not None:
+        raise ValueError("train.train_subset applies to in-memory sources only; make smaller shards instead")
+    from .stream import ShardSource
+
+    return ShardSource(
+        data.shards,
+        split="train",
+        labelled_share=data.labelled_share,
+        memory_threshold_mb=data.memory_threshold_mb,
+        num_workers=data.num_workers,
+        seed=train.seed,
+    )

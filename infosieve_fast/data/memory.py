@@ -41,6 +41,12 @@ class InMemoryGCD:
         for start in range(0, self.n_train - batch_size + 1, batch_size):
             yield self._batch(order[start : start + batch_size])
 
+    def subset(self, n: int) -> InMemoryGCD:
+        """The first `n` samples (uq renumbered 0..n-1), for smoke runs."""
+        if not 0 < n <= self.n_train:
+            raise ValueError(f"subset size must be in 1..{self.n_train}, got {n}")
+        return InMemoryGCD(self.images[:n], self.targets[:n], self.labelled[:n], self.n_old, self.labelled_share)
+
 
 def digits(
     known_classes: int = 5, prop: float = 0.5, seed: int = 0, size: int = 32, labelled_share: float | None = None
@@ -57,3 +63,4 @@ def digits(
     images = (pixels.clamp(0, 1) * 255).round().to(torch.uint8)
     labelled, targets = gcd_split(data.target, list(range(known_classes)), prop, seed)
     return InMemoryGCD(images, torch.from_numpy(targets), torch.from_numpy(labelled), known_classes, labelled_share)
+

@@ -1,0 +1,90 @@
+"""`infosieve train | eval | make-shards`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from . import config as config_mod
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .engine import train
+
+    if args.resume:
+        if args.config or args.out:
+            raise SystemExit("--resume RUN_DIR continues a run with its own config.yaml: drop --config/--out")
+        run_dir = Path(args.resume)
+        cfg_path = run_dir / "config.yaml"
+        if args.set:
+            raise SystemExit("--set cannot change a resumed run (its schedule must stay the same): start a new run")
+        cfg = config_mod.load_config(cfg_path)
+        train(cfg, run_dir, resume=True)
+        return 0
+    if not args.config:
+        raise SystemExit("train needs --config FILE (see configs/) or --resume RUN_DIR")
+    overrides = list(args.set)
+    if args.data_shards:
+        overrides.append(f"data.shards={args.data_shards}")
+    cfg = config_mod.load_config(args.config, overrides)
+    run_dir = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"run folder: {run_dir}")
+    train(cfg, run_dir)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .engine import evaluate_run, print_table
+
+    metrics = evaluate_run(args.run)
+    print_table({"checkpoint": metrics}, config_mod.load_config(Path(args.run) / "config.yaml").train.eval_protocol)
+    return 0
+
+
+def _make_shards(args: argparse.Namespace) -> int:
+    from .data import shards
+
+    shards.run_cli(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infosieve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train InfoSieve (or resume a run)")
+    p.add_argument("--config", help="YAML config (configs/*.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. optim.lr=0.05")
+    p.add_argument("--data.shards", dest="data_shards", help="shard folder (same as --set data.shards=DIR)")
+    p.add_argument("--out", help="run folder (default runs/<config>-<timestamp>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("eval", help="recompute All/Old/New accuracy from a run's checkpoint")
+    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("make-shards", help="write a dataset's GCD split as WebDataset shards")
+    try:
+        from .data import shards
+    except ImportError:  # the data layer is optional at import time: report it only when the command is used
+        shards = None
+    if shards is not None:
+        shards.add_cli_arguments(p)
+    p.set_defaults(func=_make_shards)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (config_mod.ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""One config object: dataclasses loaded from YAML, overridden from the CLI (`--set optim.lr=0.05`).
+
+Defaults are the reference implementation's (REFERENCE.md §1, §3.8, §4); every departure from it is a named switch.
+Unknown keys are rejected with their full dotted name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    backbone: str = "vit_base_patch16_224"  # a timm model name, created without pretrained weights
+    pretrained: str | None = None  # local checkpoint file (timm or original DINO layout); nothing is downloaded
+    backbone_kwargs: dict = field(default_factory=dict)  # extra timm.create_model arguments (e.g. in_chans)
+    grad_from_block: int | None = 10  # blocks >= this train (REFERENCE §2.1); null = every backbone parameter trains
+    proj_hidden_dim: int = 2048
+    proj_bottleneck_dim: int = 256
+    proj_out_dim: int = 65536
+    proj_layers: int = 3
+    code_length: int = 40
+    labeller_hidden_dim: int = 128
+    labeller_layers: int = 2  # the reference's nlayers=2 gives two hidden 128->128 layers
+
+
+@dataclass
+class LossConfig:
+    alpha: float = 1.0  # L_C_in
+    beta: float = 1.0  # L_C_code
+    delta: float = 0.1  # L_length
+    zeta: float = 0.01  # L_code_cond
+    mu: float = 0.01  # L_mask_cond
+    eta: float = 0.01  # L_cat
+    sup_con_weight: float = 0.35  # lambda_in
+    sup_code_weight: float = 0.35  # lambda_code
+    temperature: float = 1.0  # InfoNCE T
+    supcon_temperature: float = 0.07  # SupCon tau (= base temperature)
+    label_smoothing: float = 1.0  # --unsupervised_smoothing
+    # Reference-parity switches (REFERENCE §11); the first value is the reference's behaviour.
+    length_weights: str = "stale"  # "stale": always base 2 (the reference bug) | "current": this epoch's base
+    sup_code_input: str = "code"  # "code": untruncated weighted code (reference) | "trunc_code": as the paper says
+    code_constraint: str = "reference"  # "reference": mean(1-z^2) + bit balance | "paper": mean(z01^2 (1-z01)^2)
+    categorizer_loss: str = "bce"  # "bce": BCEWithLogits on one-hot (reference) | "ce": softmax cross-entropy
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"  # "sgd" | "adamw"
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    min_lr_ratio: float = 1e-3  # cosine to lr * this (CosineAnnealingLR eta_min = lr * 1e-3)
+
+
+@dataclass
+class ScheduleConfig:
+    epochs: int = 200
+    age_max: float = 20.0  # age = age_max * (epoch + 1) / epochs; equals the reference's (epoch+1)/10 at 200 epochs
+    base_start: float = 2.0  # positional base = base_start - epoch / epochs
+
+
+@dataclass
+class KMeansConfig:
+    n_init: int = 10
+    max_iter: int = 10
+    tol: float = 1e-4
+    balanced: bool = True  # the reference balances per-epoch pseudo-labels unless --unbalanced (Herbarium19)
+    balance: str = "reference"  # "reference": two-phase warm start (REFERENCE §5.2) | "capacity": hard capacity
+    backend: str = "auto"
+    eval_balanced: bool = True  # the final evaluation's SS-k-means (k_means.py) is balanced unless --unbalanced
+
+
+@dataclass
+class DataConfig:
+    source: str = "shards"  # "shards" (data/stream.py) | "digits" (the embedded demo set)
+    shards: str | None = None  # folder written by `infosieve make-shards`
+    batch_size: int = 128
+    feature_batch_size: int = 256
+    labelled_share: float | None = None  # null = the reference's sampler weights ((U+L)/(2U+L))
+    crop_size: int = 224
+    hflip: bool = True
+    mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    color_jitter: float = 0.0  # the reference's ColorJitter() is the identity: 0 keeps parity
+    num_workers: int = 4
+    memory_threshold_mb: float = 4096  # decode once and serve from memory below this decoded size
+    known_classes: int = 5  # digits only: digits 0..known_classes-1 are known
+    image_size: int = 32  # digits only: the 8x8 images are upscaled to this size before cropping
+    labelled_prop: float = 0.5
+    split_seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    amp: str = "auto"  # "auto": bf16 on CUDA, off on CPU | "bf16" | "off"
+    eval_protocol: str = "v2"
+    kernels: str = "auto"  # kernel backend: "auto" | "triton" | "torch"
+    max_steps_per_epoch: int | None = None  # cap for smoke runs; null = a full epoch
+    train_subset: int | None = None  # use only the first N train samples (smoke runs)
+
+
+@dataclass
+class Config:
+    name: str = "infosieve"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    kmeans: KMeansConfig = field(default_factory=KMeansConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "loss.length_weights": ("stale", "current"),
+    "loss.sup_code_input": ("code", "trunc_code"),
+    "loss.code_constraint": ("reference", "paper"),
+    "loss.categorizer_loss": ("bce", "ce"),
+    "optim.name": ("sgd", "adamw"),
+    "kmeans.balance": ("reference", "capacity"),
+    "kmeans.backend": ("auto", "torch", "faiss"),
+    "data.source": ("shards", "digits"),
+    "train.amp": ("auto", "bf16", "off"),
+    "train.eval_protocol": ("v1", "v2", "v2b"),
+    "train.kernels": ("auto", "triton", "torch"),
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _build(cls, values: dict, prefix: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        names = ", ".join(f"{prefix}{k}" for k in unknown)
+        raise ConfigError(f"unknown config key(s): {names}; valid keys here: {', '.join(sorted(known))}")
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint, key: str):
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} may not be null")
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    expected = typing.get_origin(base) or base
+    if expected in (int, float, str, bool, list, dict) and not isinstance(value, expected):
+        raise ConfigError(f"{key} must be {expected.__name__}, got {value!r}")
+    if expected is int and isinstance(value, bool):
+        raise ConfigError(f"{key} must be int, got {value!r}")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"{key} must be one of {CHOICES[key]}, got {value!r}")
+    return value
+
+
+def from_dict(values: dict) -> Config:
+    return _build(Config, values, "")
+
+
+def apply_overrides(values: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` strings (value parsed as YAML) to a nested dict."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        node = values
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return values
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Config from a YAML file (or the defaults when `path` is None) with CLI overrides applied."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found: pass an existing YAML file (see configs/)")
+        values = yaml.safe_load(path.read_text()) or {}
+    return from_dict(apply_overrides(values, list(overrides)))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,255 @@
+"""The training loop: per epoch a feature pass, semi-supervised k-means pseudo-labels, then two-view training steps.
+
+Every random draw of an epoch comes from generators seeded by (train.seed, epoch), so a run resumed from its
+checkpoint repeats the uninterrupted run's schedule, sampling, augmentation and clustering exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from . import checkpoint as ckpt
+from .config import Config, save_config
+from .data import build_source
+from .data.augment import AugmentConfig, DeviceAugment
+from .data.base import GCDSource
+from .kmeans import semi_supervised_kmeans
+from .loss import InfoSieveLoss
+from .metrics import evaluate_split
+from .model import Backbone, InfoSieve
+from .schedule import epoch_schedule
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+@dataclass
+class FeatureSet:
+    """Backbone features of the whole train set in uq order, with the GCD bookkeeping."""
+
+    feats: Tensor  # float32 [N, D], L2-normalised
+    targets: Tensor  # long [N]
+    labelled: Tensor  # bool [N]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"train.device={name!r} but no CUDA device is available: use train.device=cpu or auto")
+    return device
+
+
+def autocast_enabled(amp: str, device: torch.device) -> bool:
+    return amp == "bf16" or (amp == "auto" and device.type == "cuda")
+
+
+def epoch_seed(seed: int, epoch: int, stream: int) -> int:
+    """Independent, reproducible seeds per (run seed, epoch, purpose)."""
+    return (seed * 1_000_003 + epoch * 101 + stream) % (2**63)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, source: GCDSource | None = None, backbone: Backbone | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.train.device)
+        self.source = source if source is not None else build_source(cfg.data, cfg.train)
+        torch.manual_seed(cfg.train.seed)
+        self.model = InfoSieve(cfg.model, self.source.n_old, backbone).to(self.device)
+        self.model.kernel_backend = cfg.train.kernels
+        self.loss_fn = InfoSieveLoss(cfg.loss, self.source.n_old, backend=cfg.train.kernels)
+        d = cfg.data
+        self.augment = DeviceAugment(AugmentConfig(d.crop_size, d.hflip, tuple(d.mean), tuple(d.std), d.color_jitter))
+        self.amp = autocast_enabled(cfg.train.amp, self.device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        if o.name == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+
+    # ------------------------------------------------------------------------------------------------ feature pass
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    @torch.no_grad()
+    def extract_features(self, view: str, seed: int = 0) -> FeatureSet:
+        """Backbone features of every train sample: `view="train"` (augmented view 0, as the reference's
+        pseudo-labelling pass) or `"test"` (centre crop, as its evaluation)."""
+        self.model.eval()
+        gen = self._generator(seed)
+        n = self.source.n_train
+        feats = targets = labelled = None
+        for batch in self.source.feature_batches(self.cfg.data.feature_batch_size):
+            batch = batch.to(self.device, non_blocking=True)
+            x = self.augment.train_views(batch.images, 1, gen) if view == "train" else self.augment.test_view(batch.images)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                f = self.model.features(x)
+            if feats is None:
+                feats = torch.full((n, f.shape[1]), float("nan"), device=self.device)
+                targets = torch.full((n,), -1, dtype=torch.long, device=self.device)
+                labelled = torch.zeros(n, dtype=torch.bool, device=self.device)
+            feats[batch.uq], targets[batch.uq], labelled[batch.uq] = f, batch.targets, batch.labelled
+        if feats is None or bool((targets < 0).any()):
+            raise RuntimeError("the feature pass did not deliver every train sample: check the data source's uq ids")
+        self.model.train()
+        return FeatureSet(feats, targets, labelled)
+
+    def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Tensor:
+        """SS-k-means cluster id of every train sample, indexed by uq."""
+        k = self.cfg.kmeans
+        lab = fs.labelled
+        result = semi_supervised_kmeans(
+            fs.feats[~lab], fs.feats[lab], fs.targets[lab], self.source.n_classes,
+            n_init=k.n_init, max_iter=k.max_iter, tol=k.tol, balanced=balanced, balance=k.balance,
+            seed=seed, backend=k.backend,
+        )  # fmt: skip
+        labels = result.labels.to(self.device)
+        table = torch.empty_like(fs.targets)
+        n_lab = int(lab.sum())
+        table[lab.nonzero().squeeze(1)] = labels[:n_lab]
+        table[(~lab).nonzero().squeeze(1)] = labels[n_lab:]
+        self._last_inertia = float(result.inertia)
+        return table
+
+    def evaluate(self) -> dict[str, float]:
+        """All/Old/New accuracy of SS-k-means on test-view backbone features, on the unlabelled train samples."""
+        fs = self.extract_features("test")
+        preds = self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced)
+        unl = ~fs.labelled
+        y = fs.targets[unl]
+        return evaluate_split(y, preds[unl], y < self.source.n_old, self.cfg.train.eval_protocol)
+
+    # ------------------------------------------------------------------------------------------------ training
+    def train_epoch(self, epoch: int) -> dict:
+        cfg = self.cfg
+        start = time.perf_counter()
+        sched = epoch_schedule(epoch, cfg.schedule, cfg.optim)
+        length_base = 2.0 if cfg.loss.length_weights == "stale" else sched.base
+        self.model.labeller.set_schedule(sched.age, sched.base, length_base)
+        for group in self.optimizer.param_groups:
+            group["lr"] = sched.lr
+
+        fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
+        pseudo = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
+        inertia = self._last_inertia
+
+        gen = self._generator(epoch_seed(cfg.train.seed, epoch, 3))
+        sums: dict[str, Tensor] = {}
+        steps = 0
+        batches = self.source.train_batches(cfg.data.batch_size, epoch, cfg.train.seed)
+        bar = tqdm(batches, desc=f"epoch {epoch + 1}/{cfg.schedule.epochs}", leave=False, dynamic_ncols=True)
+        for batch in bar:
+            if cfg.train.max_steps_per_epoch is not None and steps >= cfg.train.max_steps_per_epoch:
+                break
+            batch = batch.to(self.device, non_blocking=True)
+            views = self.augment.train_views(batch.images, 2, gen)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                out = self.model(views)
+            total, parts = self.loss_fn(out, batch.targets, batch.labelled, pseudo[batch.uq])
+            if not bool(torch.isfinite(total)):
+                terms = ", ".join(f"{k}={float(v):.4g}" for k, v in parts.items())
+                raise NonFiniteLoss(
+                    f"non-finite loss at epoch {epoch}, step {steps}: {terms}. Hint: lower optim.lr, try "
+                    "train.amp=off, and check the inputs for NaN/inf; the last good checkpoint is in the run folder"
+                )
+            self.optimizer.zero_grad(set_to_none=True)
+            total.backward()
+            self.optimizer.step()
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v
+            steps += 1
+            bar.set_postfix(loss=f"{float(parts['total']):.3f}")
+        if steps == 0:
+            raise RuntimeError("the epoch had no full batch: lower data.batch_size or use more training data")
+        record = {"epoch": epoch, "lr": sched.lr, "age": sched.age, "base": sched.base, "steps": steps}
+        record.update({f"loss_{k}": float(v) / steps for k, v in sums.items()})
+        record.update({"kmeans_inertia": inertia, "seconds": time.perf_counter() - start})
+        return record
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self, next_epoch: int, before: dict) -> dict:
+        return {
+            "epoch": next_epoch,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "before": before,
+            "config": self.cfg.to_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def print_table(metrics: dict[str, dict[str, float]], protocol: str) -> None:
+    print(f"\n{'accuracy (' + protocol + ')':<16}{'All':>8}{'Old':>8}{'New':>8}")
+    for name, m in metrics.items():
+        print(f"{name:<16}{m['all']:>8.4f}{m['old']:>8.4f}{m['new']:>8.4f}")
+
+
+def train(
+    cfg: Config,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    source: GCDSource | None = None,
+    backbone: Backbone | None = None,
+    stop_after: Callable[[int], bool] | None = None,
+) -> dict | None:
+    """Train (or resume) a run in `run_dir`; returns metrics.json's content, or None if `stop_after` ended it early.
+
+    `stop_after(epoch)` is asked after each epoch's checkpoint; True stops the run there (as a kill would).
+    """
+    run_dir = Path(run_dir)
+    log_path = run_dir / "log.jsonl"
+    trainer = Trainer(cfg, source, backbone)
+    if resume:
+        state = ckpt.load_checkpoint(run_dir, map_location=trainer.device)
+        trainer.load_state_dict(state)
+        start, before = state["epoch"], state["before"]
+        ckpt.rewrite_log(log_path, [r for r in ckpt.read_log(log_path) if r["epoch"] < start])
+        print(f"resuming {run_dir} at epoch {start + 1}/{cfg.schedule.epochs}")
+    else:
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise FileExistsError(f"run folder {run_dir} is not empty: resume it with --resume or choose another --out")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        start, before = 0, trainer.evaluate()
+        print_table({"before": before}, cfg.train.eval_protocol)
+    for epoch in range(start, cfg.schedule.epochs):
+        record = trainer.train_epoch(epoch)
+        ckpt.save_checkpoint(run_dir, trainer.state_dict(epoch + 1, before))
+        ckpt.append_log(log_path, record)
+        print(
+            f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
+            f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
+        )
+        if stop_after is not None and stop_after(epoch):
+            return None
+    after = trainer.evaluate()
+    metrics = {"before": before, "after": after, "protocol": cfg.train.eval_protocol}
+    ckpt.write_json(run_dir / "metrics.json", metrics)
+    print_table({"before": before, "after": after}, cfg.train.eval_protocol)
+    return metrics
+
+
+def evaluate_run(run_dir: str | Path) -> dict[str, float]:
+    """Recompute All/Old/New from a run folder's checkpoint (`infosieve eval --run RUN_DIR`)."""
+    from .config import from_dict
+
+    state = ckpt.load_checkpoint(run_dir)
+    trainer = Trainer(from_dict(state["config"]))
+    trainer.model.load_state_dict(state["model"])
+    return trainer.evaluate()

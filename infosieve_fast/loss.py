@@ -1,0 +1,97 @@
+"""InfoSieve's training objective (REFERENCE.md §3.10), composed from the kernels' terms.
+
+It knows the coefficients and the parity switches, not the kernels' internals. Every term runs in fp32 (the
+65536-d Gram and the length term must not run in bf16, REFERENCE §8), whatever autocast is active.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import kernels
+
+from .config import LossConfig
+from .model import ModelOutput
+
+
+class InfoSieveLoss:
+    def __init__(self, cfg: LossConfig, n_old: int, backend: str = "auto"):
+        self.cfg, self.n_old, self.backend = cfg, n_old, backend
+
+    def _contrastive(self, feats: Tensor, sup_feats: Tensor, gt: Tensor, pseudo: Tensor, sup_weight: float, is_code: bool):
+        cfg = self.cfg
+        unsup = kernels.info_nce_loss(feats, cfg.temperature, cfg.label_smoothing, is_code, backend=self.backend)
+        tau = cfg.supcon_temperature
+        sup_gt = kernels.supcon_loss(sup_feats, gt, tau, tau, is_code, backend=self.backend)
+        sup_pseudo = kernels.supcon_loss(sup_feats, pseudo, tau, tau, is_code, backend=self.backend)
+        return (1 - sup_weight) * unsup + sup_weight * (sup_gt + sup_pseudo) / 2, unsup, sup_gt, sup_pseudo
+
+    def _code_constraint(self, out: ModelOutput) -> Tensor:
+        if self.cfg.code_constraint == "reference":
+            return out.head.code_cond.float()
+        bits = (out.head.code_raw.float() + 1) / 2  # the paper's z in {0, 1}: mean z^2 (1 - z)^2
+        return (bits * (1 - bits)).pow(2).mean()
+
+    def _category(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if logits.shape[0] == 0:
+            return logits.sum() * 0.0
+        if self.cfg.categorizer_loss == "bce":
+            return F.binary_cross_entropy_with_logits(logits, F.one_hot(targets, self.n_old).to(logits.dtype))
+        return F.cross_entropy(logits, targets)
+
+    def __call__(
+        self, out: ModelOutput, targets: Tensor, labelled: Tensor, pseudo_labels: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Total loss and its detached terms for a batch of B samples whose 2 views form the model's 2B rows.
+
+        `targets` are ground-truth classes (used where `labelled`), `pseudo_labels` this epoch's cluster ids; the
+        pseudo-label SupCon uses the ground truth on labelled samples (REFERENCE §3.10).
+        """
+        cfg = self.cfg
+        if bool((targets[labelled] >= self.n_old).any()) or bool((targets[labelled] < 0).any()):
+            raise ValueError(f"labelled targets must lie in 0..{self.n_old - 1} (the known classes)")
+        lab2 = labelled.bool().repeat(2)
+        y2 = targets.long().repeat(2)
+        gt = torch.where(lab2, y2, torch.full_like(y2, -1))
+        pseudo = torch.where(labelled.bool(), targets.long(), pseudo_labels.long()).repeat(2)
+        device_type = out.projection.device.type
+        with torch.autocast(device_type=device_type, enabled=False):
+            head = out.head
+            projection = out.projection.float()
+            loss_in, in_unsup, in_gt, in_pseudo = self._contrastive(
+                projection, projection, gt, pseudo, cfg.sup_con_weight, is_code=False
+            )
+            sup_code = (head.code if cfg.sup_code_input == "code" else head.trunc_code).float()
+            loss_code, code_unsup, code_gt, code_pseudo = self._contrastive(
+                head.code_raw.float(), sup_code, gt, pseudo, cfg.sup_code_weight, is_code=True
+            )
+            code_cond = self._code_constraint(out)
+            mask_cond = head.mask_cond.float()
+            length = head.length.float()
+            category = self._category(out.category_logits[lab2].float(), y2[lab2])
+            total = (
+                cfg.alpha * loss_in
+                + cfg.beta * loss_code
+                + cfg.zeta * code_cond
+                + cfg.eta * category
+                + cfg.delta * length
+                + cfg.mu * mask_cond
+            )
+        parts = {
+            "total": total,
+            "in": loss_in,
+            "in_infonce": in_unsup,
+            "in_supcon_gt": in_gt,
+            "in_supcon_pseudo": in_pseudo,
+            "code": loss_code,
+            "code_infonce": code_unsup,
+            "code_supcon_gt": code_gt,
+            "code_supcon_pseudo": code_pseudo,
+            "code_cond": code_cond,
+            "mask_cond": mask_cond,
+            "length": length,
+            "category": category,
+        }
+        return total, {k: v.detach() for k, v in parts.items()}

@@ -1,0 +1,206 @@
+"""The InfoSieve model: backbone -> projection head (DINOHead) -> labeller (coder, masker, categorizer).
+
+Shapes, init and state-dict keys follow REFERENCE.md §2. Departures: `age`, `code_weight` and `length_weight` are
+buffers (the reference keeps them as plain attributes, so its checkpoints lose them), and the backbone's frozen
+blocks run under `torch.no_grad()` so they keep no activations.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import kernels
+
+from .config import ModelConfig
+
+_BLOCK_INDEX = re.compile(r"blocks?\.(\d+)\.")
+
+
+def _trunc_normal_init(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def _mlp(in_dim: int, hidden_dim: int, out_dim: int, n_hidden: int) -> nn.Sequential:
+    """Linear(in, h), GELU, [Linear(h, h), GELU] * n_hidden, Linear(h, out): Linear layers at indices 0, 2, 4, ..."""
+    layers: list[nn.Module] = [nn.Linear(in_dim, hidden_dim), nn.GELU()]
+    for _ in range(n_hidden):
+        layers += [nn.Linear(hidden_dim, hidden_dim), nn.GELU()]
+    layers.append(nn.Linear(hidden_dim, out_dim))
+    return nn.Sequential(*layers)
+
+
+# ----------------------------------------------------------------------------------------------------------- backbone
+class Backbone(nn.Module):
+    """A timm model (or any module mapping images to [B, feat_dim]) with the reference's freezing rule.
+
+    `grad_from_block=g`: every parameter is frozen, then those of blocks >= g train; patch_embed, cls_token,
+    pos_embed and the final norm stay frozen (REFERENCE §2.1). `None` trains everything. For timm ViTs the frozen
+    prefix (embedding and blocks < g) runs under `no_grad`.
+    """
+
+    def __init__(self, net: nn.Module, feat_dim: int, grad_from_block: int | None):
+        super().__init__()
+        self.net, self.feat_dim, self.grad_from_block = net, feat_dim, grad_from_block
+        for name, param in net.named_parameters():
+            param.requires_grad = grad_from_block is None or _block_index(name) >= grad_from_block
+        self._split_vit = grad_from_block is not None and hasattr(net, "blocks") and hasattr(net, "patch_embed")
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self._split_vit:
+            return self.net(x)
+        net, g = self.net, self.grad_from_block
+        with torch.no_grad():
+            x = net.norm_pre(net.patch_drop(net._pos_embed(net.patch_embed(x))))
+            for block in net.blocks[:g]:
+                x = block(x)
+        for block in net.blocks[g:]:
+            x = block(x)
+        return net.forward_head(net.norm(x), pre_logits=True)
+
+
+def _block_index(name: str) -> int:
+    """Index of the block a parameter belongs to; -1 for parameters outside any block (always frozen)."""
+    match = _BLOCK_INDEX.search(name)
+    return int(match.group(1)) if match else -1
+
+
+def build_backbone(cfg: ModelConfig, net: nn.Module | None = None, feat_dim: int | None = None) -> Backbone:
+    """The backbone from `net` (any module, with `feat_dim`), or timm's `cfg.backbone` plus an optional local checkpoint."""
+    if net is None:
+        try:
+            net = timm.create_model(cfg.backbone, pretrained=False, num_classes=0, **cfg.backbone_kwargs)
+        except RuntimeError as err:  # timm raises RuntimeError for unknown model names
+            raise ValueError(f"model.backbone={cfg.backbone!r} is not a timm model: {err}") from err
+        feat_dim = net.num_features
+        if cfg.pretrained:
+            load_backbone_weights(net, cfg.pretrained)
+    elif feat_dim is None:
+        raise ValueError("a custom backbone module needs its feat_dim")
+    return Backbone(net, feat_dim, cfg.grad_from_block)
+
+
+def load_backbone_weights(net: nn.Module, path: str | Path) -> None:
+    """Load a local checkpoint in timm layout or the original DINO layout (`teacher`/`student`, `backbone.`, `module.`).
+
+    Classifier/projection (`head.*`) keys are dropped; any other mismatch is an error naming the keys.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model.pretrained={str(path)!r} does not exist: download the DINO ViT-B/16 backbone weights "
+            "(dino_vitbase16_pretrain.pth) or a timm checkpoint to that path; nothing is downloaded at run time"
+        )
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for wrapper in ("teacher", "student", "state_dict", "model"):
+        if isinstance(state, dict) and wrapper in state and isinstance(state[wrapper], dict):
+            state = state[wrapper]
+            break
+    cleaned = {}
+    for key, value in state.items():
+        for prefix in ("module.", "backbone."):
+            key = key.removeprefix(prefix)
+        if not key.startswith("head."):
+            cleaned[key] = value
+    result = net.load_state_dict(cleaned, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"checkpoint {path} does not match the backbone: missing {result.missing_keys[:8]}"
+            f"{'...' if len(result.missing_keys) > 8 else ''}, unexpected {result.unexpected_keys[:8]}"
+            f"{'...' if len(result.unexpected_keys) > 8 else ''}; check model.backbone matches the checkpoint"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- projection head
+class WeightNormLinear(nn.Module):
+    """Bias-free weight-normed Linear with the gain frozen at 1 (keys `weight_g` [out, 1], `weight_v` [out, in])."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.weight_v = nn.Parameter(nn.Linear(in_dim, out_dim, bias=False).weight.detach().clone())
+        self.weight_g = nn.Parameter(torch.ones(out_dim, 1), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight_g * self.weight_v / self.weight_v.norm(dim=1, keepdim=True)
+        return F.linear(x, weight)
+
+
+class ProjectionHead(nn.Module):
+    """GCD's DINOHead: MLP to the bottleneck, L2-normalise, weight-normed last layer (REFERENCE §2.2)."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, bottleneck_dim: int, out_dim: int, n_layers: int = 3):
+        super().__init__()
+        self.mlp = _mlp(in_dim, hidden_dim, bottleneck_dim, n_layers - 2)
+        self.mlp.apply(_trunc_normal_init)
+        self.last_layer = WeightNormLinear(bottleneck_dim, out_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.last_layer(F.normalize(self.mlp(x), dim=-1))
+
+
+# ----------------------------------------------------------------------------------------------------------- labeller
+class Labeller(nn.Module):
+    """DINOLABELLING: coder and masker MLPs to L bits, the fused code head, and the categorizer (REFERENCE §2.3)."""
+
+    def __init__(self, in_dim: int, code_length: int, n_classes: int, hidden_dim: int = 128, n_layers: int = 2):
+        super().__init__()
+        self.coder = _mlp(in_dim, hidden_dim, code_length, n_layers)
+        self.masker = _mlp(in_dim, hidden_dim, code_length, n_layers)
+        self.categorizer = _mlp(code_length, hidden_dim, n_classes, n_layers)
+        self.apply(_trunc_normal_init)
+        self.register_buffer("age", torch.tensor(20.0, dtype=torch.float64))
+        self.register_buffer("code_weight", kernels.positional_weights(code_length, 2.0))
+        self.register_buffer("length_weight", kernels.positional_weights(code_length, 2.0))
+
+    def set_schedule(self, age: float, base: float, length_base: float) -> None:
+        n = self.code_weight.numel()
+        self.age.fill_(age)
+        self.code_weight.copy_(kernels.positional_weights(n, base))
+        self.length_weight.copy_(kernels.positional_weights(n, length_base))
+
+    def forward(self, x: Tensor, backend: str = "auto") -> tuple[Tensor, kernels.CodeHead]:
+        code_feat = self.coder(x)
+        head = kernels.code_head(
+            code_feat, self.masker(x), float(self.age), self.code_weight, self.length_weight, backend=backend
+        )
+        return code_feat, head
+
+
+# -------------------------------------------------------------------------------------------------------------- model
+@dataclass
+class ModelOutput:
+    backbone: Tensor  # [N, feat_dim] CLS features (what k-means clusters after L2 normalisation)
+    projection: Tensor  # [N, proj_out_dim] L2-normalised projection (the input contrastive loss's features)
+    code_feat: Tensor  # [N, L] coder pre-activation
+    head: kernels.CodeHead  # code_raw, mask, code, trunc_code and the code/mask/length terms
+    category_logits: Tensor  # [N, n_old] categorizer(trunc_code)
+
+
+class InfoSieve(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_old: int, backbone: Backbone | None = None):
+        super().__init__()
+        self.backbone = backbone if backbone is not None else build_backbone(cfg)
+        self.projection = ProjectionHead(
+            self.backbone.feat_dim, cfg.proj_hidden_dim, cfg.proj_bottleneck_dim, cfg.proj_out_dim, cfg.proj_layers
+        )
+        self.labeller = Labeller(cfg.proj_out_dim, cfg.code_length, n_old, cfg.labeller_hidden_dim, cfg.labeller_layers)
+        self.kernel_backend = "auto"
+
+    def features(self, images: Tensor) -> Tensor:
+        """L2-normalised backbone features, the input of SS-k-means."""
+        return F.normalize(self.backbone(images).float(), dim=-1)
+
+    def forward(self, images: Tensor) -> ModelOutput:
+        feats = self.backbone(images)
+        projection = F.normalize(self.projection(feats).float(), dim=-1)
+        code_feat, head = self.labeller(projection, self.kernel_backend)
+        return ModelOutput(feats, projection, code_feat, head, self.labeller.categorizer(head.trunc_code))
