@@ -1,0 +1,55 @@
+from pathlib import Path
+
+import pytest
+
+from infosieve_fast.config import Config, ConfigError, from_dict, load_config, save_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_every_shipped_config_loads_and_round_trips(tmp_path):
+    assert {p.stem for p in CONFIGS} >= {
+        "cub", "scars", "aircraft", "pets", "herbarium19", "cifar10", "cifar100", "imagenet100", "demo",
+    }  # fmt: skip
+    for path in CONFIGS:
+        cfg = load_config(path)
+        save_config(cfg, tmp_path / "c.yaml")
+        assert load_config(tmp_path / "c.yaml") == cfg, path
+
+
+def test_paper_values_in_dataset_configs():
+    cub, cifar10, herb = (load_config(p) for p in ("configs/cub.yaml", "configs/cifar10.yaml", "configs/herbarium19.yaml"))
+    assert (cub.schedule.epochs, cub.data.batch_size, cub.optim.lr, cub.optim.momentum) == (200, 128, 0.1, 0.9)
+    assert (cub.model.code_length, cub.model.grad_from_block, cifar10.model.grad_from_block) == (40, 10, 11)
+    assert (cub.loss.label_smoothing, cifar10.loss.label_smoothing, herb.loss.label_smoothing) == (1.0, 0.0, 0.1)
+    assert (cub.loss.delta, cub.loss.zeta, cub.loss.mu, cub.loss.eta, cub.loss.sup_con_weight) == (0.1, 0.01, 0.01, 0.01, 0.35)
+    assert herb.kmeans.balanced is False and cub.kmeans.balanced is True
+
+
+def test_unknown_keys_are_rejected_by_full_name():
+    with pytest.raises(ConfigError, match=r"optim\.learning_rate"):
+        from_dict({"optim": {"learning_rate": 0.1}})
+    with pytest.raises(ConfigError, match="bogus"):
+        from_dict({"bogus": 1})
+
+
+def test_overrides_parse_yaml_values_and_reject_bad_ones(tmp_path):
+    cfg = load_config("configs/cub.yaml", ["optim.lr=0.05", "kmeans.balanced=false", "data.labelled_share=0.5"])
+    assert (cfg.optim.lr, cfg.kmeans.balanced, cfg.data.labelled_share) == (0.05, False, 0.5)
+    assert load_config(None, ["model.grad_from_block=null"]).model.grad_from_block is None
+    with pytest.raises(ConfigError, match="optim.lr must be float"):
+        load_config(None, ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match="loss.length_weights must be one of"):
+        load_config(None, ["loss.length_weights=fresh"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["optim.lr"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_defaults_are_the_reference_behaviour():
+    cfg = Config()
+    assert (cfg.loss.length_weights, cfg.loss.sup_code_input, cfg.loss.code_constraint, cfg.loss.categorizer_loss) == (
+        "stale", "code", "reference", "bce",
+    )  # fmt: skip
+    assert (cfg.loss.label_smoothing, cfg.optim.weight_decay, cfg.data.color_jitter) == (1.0, 1e-4, 0.0)

@@ -1,0 +1,80 @@
+"""End to end on the embedded digits: a short run writes its folder, resumes bit-for-bit, and evaluates."""
+
+import json
+
+import pytest
+import torch
+
+from infosieve_fast import cli
+from infosieve_fast.checkpoint import read_log
+from infosieve_fast.config import load_config
+from infosieve_fast.engine import NonFiniteLoss, train
+from infosieve_fast.model import Backbone
+
+SMOKE = [
+    "schedule.epochs=2", "train.train_subset=320", "data.batch_size=64", "train.device=cpu",
+    "kmeans.n_init=2", "model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64",
+]  # fmt: skip
+
+
+def smoke_config(*extra):
+    return load_config("configs/demo.yaml", SMOKE + list(extra))
+
+
+def test_two_epoch_demo_run_writes_its_folder_and_resume_reproduces_it(tmp_path):
+    full = train(smoke_config(), tmp_path / "full")
+    run = tmp_path / "full"
+    assert {p.name for p in run.iterdir()} >= {"config.yaml", "log.jsonl", "checkpoint.pt", "metrics.json"}
+    assert load_config(run / "config.yaml") == smoke_config()
+    log = read_log(run / "log.jsonl")
+    assert [r["epoch"] for r in log] == [0, 1]
+    for key in ("loss_total", "loss_in", "loss_code", "loss_length", "loss_category", "lr", "age", "base",
+                "kmeans_inertia", "seconds"):  # fmt: skip
+        assert key in log[0], key
+    assert log[1]["age"] == pytest.approx(20.0) and log[0]["base"] == pytest.approx(2.0)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics == full and metrics["protocol"] == "v2"
+    for stage in ("before", "after"):
+        assert set(metrics[stage]) == {"all", "old", "new"} and 0 <= metrics[stage]["all"] <= 1
+
+    killed = tmp_path / "killed"
+    assert train(smoke_config(), killed, stop_after=lambda epoch: epoch == 0) is None
+    assert [r["epoch"] for r in read_log(killed / "log.jsonl")] == [0]
+    assert torch.load(killed / "checkpoint.pt", weights_only=False)["epoch"] == 1
+    resumed = train(load_config(killed / "config.yaml"), killed, resume=True)
+    resumed_log = read_log(killed / "log.jsonl")
+    for a, b in zip(log, resumed_log, strict=True):
+        assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+    assert resumed == full
+
+    assert cli.main(["eval", "--run", str(run)]) == 0
+
+
+def test_refuses_to_overwrite_a_run_folder(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(smoke_config(), tmp_path / "run")
+
+
+class NaNInTraining(torch.nn.Module):
+    """Finite features for the feature pass (eval mode), NaN once training starts."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32 * 32, 16)
+
+    def forward(self, x):
+        f = self.proj(x.flatten(1))
+        return f * float("nan") if self.training else f
+
+
+def test_non_finite_loss_stops_with_step_terms_and_hint(tmp_path):
+    backbone = Backbone(NaNInTraining(), 16, grad_from_block=None)
+    with pytest.raises(NonFiniteLoss, match=r"epoch 0, step 0: total=nan.*Hint: lower optim.lr"):
+        train(smoke_config(), tmp_path / "nan", backbone=backbone)
+
+
+def test_cli_reports_config_errors(tmp_path, capsys):
+    assert cli.main(["train", "--config", "configs/demo.yaml", "--set", "optim.lr=x", "--out", str(tmp_path / "r")]) == 2
+    assert "optim.lr must be float" in capsys.readouterr().err
