@@ -80,7 +80,7 @@ class SupConLoss(nn.Module):
             labels = labels.contiguous().view(-1)
             if labels.shape[0] != bsz:
                 raise ValueError("Num of labels does not match num of features")
-            ids = torch.unique(labels, return_inverse=True)[1].to(features.device)  # any label values -> 0..K-1
+            ids = _dense_ids(labels.to(features.device))
         else:
             ids = _mask_as_ids(mask.to(features.device))
         if ids is None or self.contrast_mode != "all" or n_views < 2:
@@ -93,14 +93,27 @@ class SupConLoss(nn.Module):
         )
 
 
+def _dense_ids(labels: Tensor) -> Tensor:
+    """Any label values (negative, float, sparse) -> 0..K-1 with the same equality pattern, without a host sync.
+
+    The kernels read -1 as "no label"; the reference only compares labels, so every value must stay a class here.
+    """
+    values, order = labels.sort()
+    new_class = torch.zeros_like(order)
+    new_class[1:] = values[1:] != values[:-1]
+    ids = torch.empty_like(order)
+    ids[order] = new_class.cumsum(0)
+    return ids
+
+
 def _mask_as_ids(mask: Tensor) -> Tensor | None:
-    """Labels whose equality pattern is `mask`, or None when `mask` is not a 0/1 equivalence relation."""
+    """Labels whose equality pattern is `mask`, or None when `mask` is not a 0/1 equivalence relation (host syncs)."""
     if mask.dim() != 2 or mask.shape[0] != mask.shape[1]:
         return None
     binary = mask != 0
     if not bool(((mask == 0) | (mask == 1)).all()):
         return None
-    ids = binary.to(torch.uint8).argmax(1)  # first positive of each row: a class representative
+    ids = binary.int().argmax(1)  # first positive of each row: a class representative
     if not bool(torch.equal(ids[:, None] == ids[None, :], binary)):
         return None
     return ids

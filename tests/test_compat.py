@@ -178,6 +178,8 @@ def test_supcon_labels(monkeypatch, device, backend, dtype, is_code):
     feats = random_views(bsz, 2, dim, dtype, device, is_code)
     # arbitrary label values (negative, sparse): the reference only compares them; -1 must not mean "excluded" here
     labels = torch.tensor([-1, 7, 3, -5])[torch.randint(0, 4, (bsz,))].to(device)
+    ids = compat._dense_ids(labels)
+    assert ids.min() >= 0 and torch.equal(ids[:, None] == ids[None, :], labels[:, None] == labels[None, :])
     temperature, base = random.choice([(0.07, 0.07), (0.5, 0.07)])
     check_pair(
         lambda f: compat.SupConLoss(temperature, base_temperature=base)(f, labels=labels, is_code=is_code),
