@@ -38,7 +38,11 @@ def resolve_backend(backend: str, tensor: Tensor) -> str:
 def _impl(module: str, name: str, backend: str, tensor: Tensor):
     if resolve_backend(backend, tensor) == "torch":
         return getattr(reference, name)
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    fn = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    # Importing the submodule `kernels.code_head` binds it as this package's attribute `code_head`, which would
+    # shadow the dispatch function of the same name for every later `kernels.code_head(...)` call: undo that.
+    globals()["code_head"] = _code_head_dispatch
+    return fn
 
 
 def code_head(
@@ -46,6 +50,9 @@ def code_head(
 ) -> CodeHead:
     """See `reference.code_head`."""
     return _impl("code_head", "code_head", backend, code_feat)(code_feat, mask_feat, age, code_weight, length_weight)
+
+
+_code_head_dispatch = code_head
 
 
 def info_nce_loss(
