@@ -1,0 +1,537 @@
+"""Semi-supervised k-means (REFERENCE.md §5) at hardware speed.
+
+One entry point, :func:`semi_supervised_kmeans`. Semantics follow GCD's ``fit_mix`` (REFERENCE.md §5.1) and, for
+``balance="reference"``, InfoSieve's two-phase variant (§5.2), with the published bugs fixed (see ``docs/kmeans.md``):
+
+* k-means++ starts from the labelled class means; new seeds are drawn from the unlabelled points with probability
+  proportional to the running min squared distance, which is updated against the newest centre only (O(N·K·D)).
+  The uniforms come from ``numpy.random.RandomState(seed)``, one per new seed, restarts one after another sharing the
+  stream, exactly as the reference draws them; so seeds equal the reference's for the same ``seed``.
+* Labelled points keep their class. All centres move (reference) unless ``freeze_labelled_centers``.
+* An empty cluster keeps its previous centre (the reference produces NaN).
+* Each iteration records the inertia computed with the pre-update centres; the best iteration (strict ``<``) over all
+  iterations and restarts is returned (reference semantics), its labels and the centres updated from them.
+* Stop when ``(Σ_k ||Δc_k||)² < tol`` or after ``max_iter`` iterations.
+
+Backends: ``torch`` (chunked GEMM distances with fp32 or fp64 accumulation, ``index_add_`` on the CPU and a one-hot
+GEMM on CUDA for deterministic centre sums) and ``faiss`` (flat L2 index for the nearest-centre searches, GPU index if
+the FAISS build has one and the data are on CUDA). No Python loop over points or clusters: the only Python loops are
+over restarts, iterations, k-means++ seeds and capacity rounds.
+
+Under ``torch.distributed`` every rank passes its own shard (labelled and unlabelled) and gets the exact global
+clustering: per-cluster sums and counts are all-reduced, k-means++ samples over the global distribution, and the
+balancing steps rank points globally. Labels returned are those of the rank's own shard; centres are global.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from infosieve_fast.distributed import all_gather_cat, all_reduce_any, all_reduce_max, all_reduce_sum, get_world_size
+
+__all__ = ["KMeansResult", "semi_supervised_kmeans", "faiss_available"]
+
+_BALANCE_MODES = ("capacity", "reference")
+_BACKENDS = ("auto", "torch", "faiss")
+
+
+@dataclass
+class KMeansResult:
+    """Result of :func:`semi_supervised_kmeans`.
+
+    labels: long tensor [Nl + Nu] on the input device, labelled rows first, then unlabelled (this rank's shard).
+    centers: [K, D] in the compute dtype (fp32, or fp64 for fp64 inputs); row ``c`` is cluster ``c``.
+    inertia: sum of squared distances of the kept iteration (global over ranks), computed with the pre-update centres.
+    n_iter: iterations run in the kept restart (both phases for ``balance="reference"``).
+    history: inertia per iteration of the kept restart.
+    """
+
+    labels: torch.Tensor
+    centers: torch.Tensor
+    inertia: float
+    n_iter: int
+    history: list[float] = field(default_factory=list)
+    backend: str = "torch"
+    best_init: int = 0
+
+
+def faiss_available() -> bool:
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------- distances
+class _TorchOps:
+    """Nearest-centre search with chunked GEMMs: ||x||² - 2 x·c + ||c||², accumulated in the compute dtype."""
+
+    name = "torch"
+
+    def __init__(self, chunk_rows: int):
+        self.chunk_rows = chunk_rows
+
+    def nearest(self, x, x2, C, rows=None, allowed=None):
+        """(min squared distance, argmin) of ``x[rows]`` over the centres ``C[allowed]`` (indices into all of C)."""
+        n = x.shape[0] if rows is None else rows.shape[0]
+        c2 = (C * C).sum(1)
+        if allowed is not None:
+            c2 = c2.masked_fill(~allowed, float("inf"))
+        d_out = torch.empty(n, dtype=C.dtype, device=C.device)
+        i_out = torch.empty(n, dtype=torch.long, device=C.device)
+        Ct = C.t()
+        for s in range(0, n, self.chunk_rows):
+            e = min(s + self.chunk_rows, n)
+            if rows is None:
+                xc, x2c = x[s:e], x2[s:e]
+            else:
+                r = rows[s:e]
+                xc, x2c = x[r], x2[r]
+            d = torch.addmm(c2, xc, Ct, beta=1, alpha=-2)
+            dmin, imin = d.min(1)
+            d_out[s:e] = (dmin + x2c).clamp_min_(0)
+            i_out[s:e] = imin
+        return d_out, i_out
+
+
+class _FaissOps(_TorchOps):
+    """Nearest-centre search with a FAISS flat L2 index (GPU index when available and the data are on CUDA).
+
+    FAISS computes in fp32; the returned distance is recomputed exactly in the compute dtype for the chosen centre so
+    that inertia is comparable across backends.
+    """
+
+    name = "faiss"
+
+    def __init__(self, chunk_rows: int, x: torch.Tensor):
+        super().__init__(chunk_rows)
+        import faiss
+
+        self.faiss = faiss
+        self.gpu = x.is_cuda and hasattr(faiss, "StandardGpuResources")
+        if self.gpu:
+            import faiss.contrib.torch_utils  # noqa: F401  (lets FAISS take torch CUDA tensors)
+
+            self.res = faiss.StandardGpuResources()
+            self.xq = x.float().contiguous()
+        else:
+            self.xq = np.ascontiguousarray(x.detach().float().cpu().numpy())
+
+    def nearest(self, x, x2, C, rows=None, allowed=None):
+        faiss = self.faiss
+        ids = None
+        Cs = C
+        if allowed is not None:
+            ids = torch.nonzero(allowed).squeeze(1)
+            Cs = C[ids]
+        d = C.shape[1]
+        if self.gpu:
+            index = faiss.GpuIndexFlatL2(self.res, d)
+            index.add(Cs.float().contiguous())
+            q = self.xq if rows is None else self.xq[rows]
+            _, idx = index.search(q, 1)
+            idx = idx[:, 0].to(C.device).long()
+        else:
+            index = faiss.IndexFlatL2(d)
+            index.add(np.ascontiguousarray(Cs.detach().float().cpu().numpy()))
+            q = self.xq if rows is None else self.xq[rows.cpu().numpy()]
+            _, idx = index.search(q, 1)
+            idx = torch.from_numpy(idx[:, 0]).to(C.device).long()
+        if ids is not None:
+            idx = ids[idx]
+        n = idx.shape[0]
+        dist = torch.empty(n, dtype=C.dtype, device=C.device)
+        for s in range(0, n, self.chunk_rows):
+            e = min(s + self.chunk_rows, n)
+            r = slice(s, e) if rows is None else rows[s:e]
+            dist[s:e] = (x[r] - C[idx[s:e]]).pow_(2).sum(1)
+        return dist, idx
+
+
+# -------------------------------------------------------------------------------------------------------- validation
+def _as_tensor(a, name: str) -> torch.Tensor:
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a)
+    if isinstance(a, torch.Tensor):
+        return a.detach()
+    raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
+
+
+def _check_features(x: torch.Tensor, name: str, d: int | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [N, D], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    if d is not None and x.shape[1] != d:
+        raise ValueError(f"{name} has {x.shape[1]} features per row but u_feats has {d}")
+    bad = x.numel() > 0 and not bool(torch.isfinite(x).all())
+    if all_reduce_any(bad, x.device):
+        raise ValueError(f"{name} contains NaN or inf values (on some rank); clean or drop those rows first")
+
+
+def _chunk_rows(chunk_size: int | None, k: int, cuda: bool) -> int:
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return int(chunk_size)
+    budget = 2**26 if cuda else 2**23  # elements of the [rows, K] distance block
+    return max(256, budget // max(k, 1))
+
+
+# ------------------------------------------------------------------------------------------------------ shared state
+@dataclass
+class _Problem:
+    u: torch.Tensor  # [Nu, D] compute dtype
+    x2: torch.Tensor  # [Nu]
+    l: torch.Tensor  # [Nl, D]
+    lab_l: torch.Tensor  # [Nl] internal cluster ids (0..nL-1)
+    K: int
+    nL: int
+    l_sums: torch.Tensor  # [K, D] global sums of labelled points per cluster
+    l_cnt: torch.Tensor  # [K] global counts of labelled points per cluster (long)
+    n_u_global: int
+    ops: _TorchOps
+    chunk: int
+    l_sq: torch.Tensor | float = 0.0  # global Σ ||l||² (fp64)
+    l_sums64: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.l_sums64 = self.l_sums.to(torch.float64)
+
+    @property
+    def device(self):
+        return self.u.device
+
+
+def _labelled_inertia(p: _Problem, C: torch.Tensor) -> torch.Tensor:
+    """Σ ||l - C[lab]||² from per-cluster statistics, O(K·D): Σ||l||² - 2 Σ_k C_k·S_k + Σ_k n_k ||C_k||² (fp64)."""
+    C64 = C.to(torch.float64)
+    return p.l_sq - 2 * (C64 * p.l_sums64).sum() + (p.l_cnt.to(torch.float64) * (C64 * C64).sum(1)).sum()
+
+
+def _cluster_sums(p: _Problem, lab: torch.Tensor) -> torch.Tensor:
+    """Per-cluster sums of the local unlabelled rows (deterministic on CUDA: one-hot GEMM instead of atomics)."""
+    K, D = p.K, p.u.shape[1]
+    if not p.u.is_cuda:
+        return torch.zeros(K, D, dtype=p.u.dtype, device=p.device).index_add_(0, lab, p.u)
+    out = torch.zeros(K, D, dtype=p.u.dtype, device=p.device)
+    for s in range(0, p.u.shape[0], p.chunk):
+        e = min(s + p.chunk, p.u.shape[0])
+        oh = torch.zeros(e - s, K, dtype=p.u.dtype, device=p.device)
+        oh.scatter_(1, lab[s:e, None], 1.0)
+        out.addmm_(oh.t(), p.u[s:e])
+    return out
+
+
+def _update_centers(p: _Problem, C: torch.Tensor, u_lab: torch.Tensor, frozen: torch.Tensor | None) -> torch.Tensor:
+    sums = all_reduce_sum(_cluster_sums(p, u_lab))
+    cnt = all_reduce_sum(torch.bincount(u_lab, minlength=p.K))
+    sums += p.l_sums
+    cnt = cnt + p.l_cnt
+    keep = cnt == 0  # empty cluster keeps its centre (the reference gives NaN here)
+    if frozen is not None:
+        keep = keep | frozen
+    new = sums / cnt.clamp_min(1).to(sums.dtype)[:, None]
+    return torch.where(keep[:, None], C, new)
+
+
+def _global_rank_within_cluster(lab: torch.Tensor, dist: torch.Tensor, K: int):
+    """For every point of the global (rank-ordered) set: its rank inside its cluster by distance (ties: order)."""
+    g_lab, off = all_gather_cat(lab)
+    g_d, _ = all_gather_cat(dist)
+    order = torch.argsort(g_d, stable=True)
+    order = order[torch.argsort(g_lab[order], stable=True)]
+    sl = g_lab[order]
+    counts = torch.bincount(sl, minlength=K)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_sorted = torch.arange(sl.shape[0], device=sl.device) - starts[sl]
+    rank = torch.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    return g_lab, rank, off
+
+
+# --------------------------------------------------------------------------------------------------------- k-means++
+def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude: int | None) -> torch.Tensor:
+    """k-means++ from the labelled means; running min distance against the newest centre only.
+
+    ``exclude``: after each new seed, drop the ``exclude`` still-available unlabelled points nearest to it from later
+    draws (InfoSieve's intended behaviour, whose published version deletes the wrong rows, REFERENCE.md §5.2).
+    """
+    u, x2, K, nL = p.u, p.x2, p.K, p.nL
+    dev, world = p.device, get_world_size()
+    C = torch.empty(K, u.shape[1], dtype=u.dtype, device=dev)
+    C[:nL] = means
+    if nL:
+        d2 = p.ops.nearest(u, x2, means)[0].to(torch.float64)
+    else:
+        d2 = torch.ones(u.shape[0], dtype=torch.float64, device=dev)
+    avail = torch.ones(u.shape[0], dtype=torch.bool, device=dev) if exclude else None
+    n_glob = torch.tensor(float(p.n_u_global), dtype=torch.float64, device=dev)
+    for j in range(K - nL):
+        w = d2 if avail is None else d2 * avail
+        tot = all_reduce_sum(w.sum().reshape(1))[0]
+        if avail is not None:  # everything excluded: fall back to plain k-means++ weights
+            w = torch.where(tot > 0, w, d2)
+            tot = torch.where(tot > 0, tot, all_reduce_sum(d2.sum().reshape(1))[0])
+        zero = tot <= 0  # all points coincide with centres: draw uniformly
+        w = torch.where(zero, torch.ones_like(w), w)
+        tot = torch.where(zero, n_glob, tot)
+        r = uniforms[j]
+        if world == 1:
+            cum = torch.cumsum(w / tot, 0)
+            ind = torch.searchsorted(cum, r.reshape(1)).clamp_(max=u.shape[0] - 1)
+            c = u[ind][0]
+        else:
+            rank_w, rank = all_gather_cat(w.sum().reshape(1))  # one entry per rank: offset == rank
+            before = rank_w[:rank].sum() / tot
+            hi = torch.cumsum(rank_w / tot, 0)
+            last = int(torch.nonzero(rank_w > 0).max()) if bool((rank_w > 0).any()) else world - 1
+            owner = min(int(torch.searchsorted(hi, r.reshape(1)).item()), last)
+            c = torch.zeros(u.shape[1], dtype=u.dtype, device=dev)
+            if rank == owner and u.shape[0]:
+                cum = torch.cumsum(w / tot, 0) + before
+                ind = torch.searchsorted(cum, r.reshape(1)).clamp_(max=u.shape[0] - 1)
+                c = u[ind][0].clone()
+            c = all_reduce_sum(c)
+        C[nL + j] = c
+        dn = (x2 - 2 * (u @ c) + (c * c).sum()).clamp_min_(0).to(torch.float64)
+        d2 = dn if (nL == 0 and j == 0) else torch.minimum(d2, dn)
+        if avail is not None:
+            masked = dn.masked_fill(~avail, float("inf"))
+            k_loc = min(exclude, u.shape[0])
+            vals = torch.topk(masked, k_loc, largest=False).values if k_loc else masked[:0]
+            g_vals, _ = all_gather_cat(vals)
+            g_vals = torch.sort(g_vals).values
+            thr = g_vals[min(exclude, g_vals.shape[0]) - 1]
+            avail &= ~(dn <= thr)
+    return C
+
+
+# ------------------------------------------------------------------------------------------------- assignment steps
+def _assign_plain(p: _Problem, C: torch.Tensor):
+    d, lab = p.ops.nearest(p.u, p.x2, C)
+    return lab, d.sum(dtype=torch.float64)
+
+
+def _assign_capacity(p: _Problem, C: torch.Tensor, cap: torch.Tensor):
+    """Capacity-constrained assignment in rounds: every pending point proposes to its nearest cluster that still has
+    room; each cluster accepts its closest proposals (globally) up to its remaining capacity; rejected points try again
+    without the clusters that filled up. At least one more cluster fills per round, so at most K rounds."""
+    K, dev = p.K, p.device
+    n = p.u.shape[0]
+    lab = torch.empty(n, dtype=torch.long, device=dev)
+    dist = torch.empty(n, dtype=p.u.dtype, device=dev)
+    rem = cap.clone()
+    pend = torch.arange(n, device=dev)
+    prop_d, prop_k = p.ops.nearest(p.u, p.x2, C)
+    for _ in range(K + 1):
+        g_k, rank, off = _global_rank_within_cluster(prop_k, prop_d, K)
+        g_acc = rank < rem[g_k]
+        rem = rem - torch.bincount(g_k[g_acc], minlength=K)
+        acc = g_acc[off : off + pend.shape[0]]
+        lab[pend[acc]] = prop_k[acc]
+        dist[pend[acc]] = prop_d[acc]
+        pend = pend[~acc]
+        if bool(g_acc.all()):
+            break
+        prop_d, prop_k = p.ops.nearest(p.u, p.x2, C, rows=pend, allowed=rem > 0)
+    return lab, dist.sum(dtype=torch.float64)
+
+
+def _assign_reference_phase_a(p: _Problem, C: torch.Tensor, cap: torch.Tensor | None, n_pass: int):
+    """InfoSieve's Phase A assignment: argmin, then ``n_pass`` balancing passes (REFERENCE.md §5.2), vectorised.
+
+    The returned inertia is that of the unbalanced argmin, as in the reference.
+    """
+    d, lab = p.ops.nearest(p.u, p.x2, C)
+    inertia = d.sum(dtype=torch.float64)
+    if cap is None:
+        return lab, inertia
+    for _ in range(n_pass):
+        cnt = all_reduce_sum(torch.bincount(lab, minlength=p.K))
+        room = (cnt == 1) | (cnt < cap)  # the reference's 0-d squeeze makes a singleton cluster always "have room"
+        over = (cnt > cap) & ~room
+        keep = torch.where(cap >= 0, cap, (cnt + cap).clamp_min(0))  # [cap:] with cap < 0 frees only |cap| points
+        g_lab, rank, off = _global_rank_within_cluster(lab, d, p.K)
+        free = (over[g_lab] & (rank >= keep[g_lab]))[off : off + lab.shape[0]]
+        if not bool(room.any()):
+            continue
+        rows = torch.nonzero(free).squeeze(1)
+        if rows.numel() or get_world_size() > 1:
+            dn, kn = p.ops.nearest(p.u, p.x2, C, rows=rows, allowed=room)
+            lab[rows] = kn
+            d[rows] = dn
+    return lab, inertia
+
+
+# ------------------------------------------------------------------------------------------------------------ a run
+class _Run:
+    def __init__(self):
+        self.best = None  # (inertia, u_lab, centers)
+        self.history: list[float] = []
+        self.n_iter = 0
+
+    def iterate(self, p: _Problem, C, max_iter, tol, assign, frozen):
+        for it in range(max_iter):
+            u_lab, inertia_u = assign(C, it)
+            inertia_t = all_reduce_sum(inertia_u.reshape(1))[0] + _labelled_inertia(p, C)
+            new = _update_centers(p, C, u_lab, frozen)
+            inertia = float(inertia_t)
+            self.history.append(inertia)
+            self.n_iter += 1
+            if self.best is None or inertia < self.best[0]:
+                self.best = (inertia, u_lab, new)
+            shift = float((new - C).norm(dim=1).sum()) ** 2
+            C = new
+            if shift < tol:
+                break
+        return C
+
+
+# ------------------------------------------------------------------------------------------------------- entry point
+def semi_supervised_kmeans(
+    u_feats,
+    l_feats,
+    l_targets,
+    n_clusters: int,
+    *,
+    n_init: int = 10,
+    max_iter: int = 10,
+    tol: float = 1e-4,
+    balanced: bool = False,
+    balance: str = "capacity",
+    cluster_size: int | None = None,
+    freeze_labelled_centers: bool = False,
+    seed: int = 0,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+) -> KMeansResult:
+    """Semi-supervised k-means of unlabelled ``u_feats`` [Nu, D] with labelled ``l_feats`` [Nl, D] / ``l_targets``.
+
+    Features: torch tensors or numpy arrays, any float dtype, CPU or CUDA (computation in fp32, or fp64 for fp64
+    inputs). ``l_targets``: integer-valued, in ``0..n_clusters-1``; labelled class ``c`` is cluster ``c`` and keeps its
+    points. The clusters without labelled points are seeded by k-means++ in increasing id order. ``l_feats`` may have
+    zero rows (plain k-means++ / Lloyd).
+
+    ``balanced=False``: GCD's SS-k-means (REFERENCE.md §5.1). ``balanced=True`` with capacity ``cluster_size`` (default
+    ``ceil(N / K)``, N = all points over all ranks):
+
+    * ``balance="capacity"`` (default): every assignment step is capacity-constrained, so the returned labels never
+      put more than ``cluster_size`` points in a cluster (a cluster whose labelled points alone exceed it gets no
+      unlabelled point).
+    * ``balance="reference"``: InfoSieve's two phases (§5.2): Phase A with frozen labelled centres and the reference's
+      balancing passes, then Phase B of plain iterations; best inertia over both phases (in practice Phase B wins, so
+      the labels are not balanced — a balanced warm start). k-means++ excludes the ``cluster_size`` points nearest each
+      new seed (the intended behaviour of the reference's buggy row deletion).
+
+    ``freeze_labelled_centers``: labelled clusters keep their class mean as centre (all iterations / phases).
+    ``backend``: ``"torch"``, ``"faiss"`` or ``"auto"`` (torch for CUDA tensors, FAISS on the CPU when importable).
+    ``chunk_size``: rows per distance block (default: about 8M (CPU) / 64M (CUDA) distance entries per block).
+    """
+    u = _as_tensor(u_feats, "u_feats")
+    _check_features(u, "u_feats", None)
+    dev, D = u.device, u.shape[1]
+    l = _as_tensor(l_feats, "l_feats") if l_feats is not None else u.new_zeros((0, D))
+    _check_features(l, "l_feats", D)
+    t = _as_tensor(l_targets, "l_targets") if l_targets is not None else torch.zeros(0, dtype=torch.long)
+    if l.device != dev:
+        raise ValueError(f"l_feats is on {l.device} but u_feats is on {dev}; put both on the same device")
+    K = int(n_clusters)
+    if K < 1:
+        raise ValueError(f"n_clusters must be >= 1, got {n_clusters}")
+    if n_init < 1 or max_iter < 1:
+        raise ValueError(f"n_init and max_iter must be >= 1, got n_init={n_init}, max_iter={max_iter}")
+    if balance not in _BALANCE_MODES:
+        raise ValueError(f"balance must be one of {_BALANCE_MODES}, got {balance!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    t = t.reshape(-1)
+    if t.shape[0] != l.shape[0]:
+        raise ValueError(f"l_targets has {t.shape[0]} entries but l_feats has {l.shape[0]} rows")
+    if t.is_floating_point():
+        if t.numel() and not bool((t == t.round()).all() & torch.isfinite(t).all()):
+            raise ValueError("l_targets must hold integer class ids; got non-integer values")
+    t = t.to(device=dev, dtype=torch.long)
+    if t.numel() and bool(((t < 0) | (t >= K)).any()):
+        raise ValueError(f"l_targets must lie in 0..{K - 1} (n_clusters={K}); got values {int(t.min())}..{int(t.max())}")
+
+    counts = all_reduce_sum(torch.tensor([u.shape[0], l.shape[0]], dtype=torch.long, device=dev))
+    n_u, n_l = int(counts[0]), int(counts[1])
+    if n_u == 0:
+        raise ValueError("u_feats is empty: semi-supervised k-means needs unlabelled points")
+    present = all_reduce_max(torch.bincount(t, minlength=K).clamp_max_(1))
+    cls = torch.nonzero(present).squeeze(1)  # sorted labelled classes (global)
+    nL = int(cls.numel())
+    if K > n_u + n_l:
+        raise ValueError(f"n_clusters={K} is larger than the number of points ({n_u + n_l})")
+    if K - nL > n_u:
+        raise ValueError(f"{K - nL} clusters need seeds but there are only {n_u} unlabelled points")
+
+    cdtype = torch.float64 if (u.dtype == torch.float64 or l.dtype == torch.float64) else torch.float32
+    u = u.to(cdtype).contiguous()
+    l = l.to(cdtype).contiguous()
+    lab_l = torch.searchsorted(cls, t)  # internal ids: labelled classes first, in sorted order (as the reference)
+    free_ids = torch.nonzero(present == 0).squeeze(1)
+    slot = torch.cat([cls, free_ids])  # internal id -> returned cluster id
+
+    l_sums = all_reduce_sum(torch.zeros(K, D, dtype=cdtype, device=dev).index_add_(0, lab_l, l))
+    l_cnt = all_reduce_sum(torch.bincount(lab_l, minlength=K))
+    means = l_sums[:nL] / l_cnt[:nL, None].to(cdtype)
+
+    if backend == "auto":
+        backend = "torch" if u.is_cuda or not faiss_available() else "faiss"
+    chunk = _chunk_rows(chunk_size, K, u.is_cuda)
+    if backend == "faiss":
+        if not faiss_available():
+            raise ImportError("backend='faiss' needs the faiss package (pip install faiss-cpu); or use backend='torch'")
+        ops: _TorchOps = _FaissOps(chunk, u)
+    else:
+        ops = _TorchOps(chunk)
+    l_sq = all_reduce_sum(l.to(torch.float64).pow(2).sum().reshape(1))[0]
+    p = _Problem(u, (u * u).sum(1), l, lab_l, K, nL, l_sums, l_cnt, n_u, ops, chunk, l_sq)
+
+    cs = None
+    if balanced:
+        cs = int(cluster_size) if cluster_size is not None else math.ceil((n_u + n_l) / K)
+        if cs < 1 or cs * K < n_u + n_l:
+            raise ValueError(f"cluster_size={cs} is too small: {K} clusters x {cs} < {n_u + n_l} points")
+    elif cluster_size is not None:
+        raise ValueError("cluster_size is only used with balanced=True")
+
+    frozen = None
+    if freeze_labelled_centers:
+        frozen = torch.zeros(K, dtype=torch.bool, device=dev)
+        frozen[:nL] = True
+    n_seeds = K - nL
+    rs = np.random.RandomState(seed)
+    uniforms = torch.from_numpy(rs.random_sample(n_init * n_seeds)).to(dev)
+
+    best, best_init = None, 0
+    for r in range(n_init):
+        exclude = cs if (balanced and balance == "reference") else None
+        C = _kmeans_pp(p, means, uniforms[r * n_seeds : (r + 1) * n_seeds], exclude)
+        run = _Run()
+        if not balanced:
+            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
+        elif balance == "capacity":
+            cap = (cs - l_cnt).clamp_min(0)
+            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_capacity(p, C, cap), frozen)
+        else:
+            cap = cs - l_cnt
+            frozen_a = torch.zeros(K, dtype=torch.bool, device=dev)
+            frozen_a[:nL] = True
+            C = run.iterate(p, C, max_iter, tol, lambda C, it: _assign_reference_phase_a(p, C, cap, it), frozen_a)
+            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
+        if best is None or run.best[0] < best.best[0]:
+            best, best_init = run, r
+
+    inertia, u_lab, C = best.best
+    labels = torch.cat([slot[lab_l], slot[u_lab]])
+    centers = torch.empty_like(C)
+    centers[slot] = C
+    return KMeansResult(labels, centers, inertia, best.n_iter, list(best.history), ops.name, best_init)
