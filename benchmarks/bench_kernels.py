@@ -115,19 +115,23 @@ def measure(step, device: torch.device, budget: Budget, reps: int, min_time_s: f
     }
 
 
-def run_variant(name: str, make_step, device, budget: Budget, args, est_s: float, est_bytes: float) -> dict:
+def precheck(device, budget: Budget, est_s: float, est_bytes: float) -> str | None:
+    """Why a variant should not run (before its inputs exist), or None."""
     if budget.left() <= 0:
-        return {"skipped": "time budget spent"}
+        return "time budget spent"
     if est_s * (2 + 3) > min(MAX_CASE_S, budget.left()):
-        return {"skipped": f"too slow for the time budget: about {est_s:.2g} s per step estimated"}
+        return f"too slow for the time budget: about {est_s:.2g} s per step estimated"
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         if est_bytes > MEM_FRACTION * free:
-            return {
-                "skipped": f"does not fit: about {est_bytes / 2**30:.1f} GiB estimated, {free / 2**30:.1f} GiB free"
-            }
+            return f"does not fit: about {est_bytes / 2**30:.1f} GiB estimated, {free / 2**30:.1f} GiB free"
+    return None
+
+
+def run_variant(step, device, budget: Budget, args) -> dict:
+    if budget.left() <= 0:
+        return {"skipped": "time budget spent"}
     try:
-        step = make_step()
         return measure(step, device, budget, args.reps, args.min_time_s)
     except torch.OutOfMemoryError as exc:
         return {"skipped": f"out of memory: {str(exc).splitlines()[0]}"}
@@ -136,6 +140,16 @@ def run_variant(name: str, make_step, device, budget: Budget, args, est_s: float
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def run_case(result: dict, plan: dict, estimates: dict, make_inputs, device, budget: Budget, args) -> dict:
+    """Skip what cannot run, make the inputs only if something can, run the rest; add the ratios."""
+    reasons = {name: why or precheck(device, budget, *estimates[name]) for name, why in plan.items()}
+    steps = make_inputs() if any(why is None for why in reasons.values()) else {}
+    for name, why in reasons.items():
+        result["variants"][name] = {"skipped": why} if why else run_variant(steps[name], device, budget, args)
+    result["ratios"] = ratios(result)
+    return result
 
 
 def ratios(result: dict) -> dict:
@@ -164,38 +178,34 @@ def variants_for(device: torch.device, fused_missing: str | None, compile_ok: bo
 
 
 def code_head_case(n: int, device, budget: Budget, args, plan: dict, compiled_fn) -> dict:
-    result = {"N": n, "L": L, "variants": {}}
-    gen = torch.Generator(device="cpu").manual_seed(n)
-    code_feat = torch.randn(n, L, generator=gen).to(device).requires_grad_(True)
-    mask_feat = torch.randn(n, L, generator=gen).to(device).requires_grad_(True)
-    age = 1.0
-    code_weight = kernels.positional_weights(L, 1.5, device=device)
-    length_weight = kernels.positional_weights(L, 2.0, device=device)
-    grads = [torch.randn(n, L, generator=gen).to(device) for _ in range(4)]
-    ones = [torch.ones((), device=device)] * 3
-
-    def make(fn):
-        def step():
-            out = fn(code_feat, mask_feat, age, code_weight, length_weight)
-            torch.autograd.backward(list(out), grads + ones)
-            code_feat.grad = mask_feat.grad = None  # freed before the next step's memory baseline
-
-        return lambda: step
-
     fns = {
         "fused": lambda *a: importlib.import_module("kernels.code_head").code_head(*a),
         "eager": reference.code_head,
         "compiled": compiled_fn,
     }
-    bytes_io = 4 * n * L * 20  # inputs, 4 outputs, their gradients and saved tensors, generously
-    for name, why in plan.items():
-        if why:
-            result["variants"][name] = {"skipped": why}
-            continue
-        est_s = bytes_io / 1e12 + 1e-4
-        result["variants"][name] = run_variant(name, make(fns[name]), device, budget, args, est_s, bytes_io)
-    result["ratios"] = ratios(result)
-    return result
+
+    def make_inputs():
+        gen = torch.Generator(device=device).manual_seed(n)
+        code_feat = torch.randn(n, L, generator=gen, device=device).requires_grad_(True)
+        mask_feat = torch.randn(n, L, generator=gen, device=device).requires_grad_(True)
+        code_weight = kernels.positional_weights(L, 1.5, device=device)
+        length_weight = kernels.positional_weights(L, 2.0, device=device)
+        grads = [torch.randn(n, L, generator=gen, device=device) for _ in range(4)]
+        grads += [torch.ones((), device=device)] * 3  # the three loss terms
+
+        def make(fn):
+            def step():
+                out = fn(code_feat, mask_feat, 1.0, code_weight, length_weight)  # age 1
+                torch.autograd.backward(list(out), grads)
+                code_feat.grad = mask_feat.grad = None  # freed before the next step's memory baseline
+
+            return step
+
+        return {name: make(fn) for name, fn in fns.items()}
+
+    est_bytes = 4 * n * L * 20  # inputs, 4 outputs, their gradients and saved tensors, generously
+    estimates = dict.fromkeys(fns, (est_bytes / 1e12 + 1e-4, est_bytes))
+    return run_case({"N": n, "L": L, "variants": {}}, plan, estimates, make_inputs, device, budget, args)
 
 
 # ---------------------------------------------------------------------------------------------- contrastive
@@ -209,27 +219,6 @@ def contrastive_loss(info_nce, supcon):
 
 
 def contrastive_case(n: int, d: int, device, budget: Budget, args, plan: dict, compiled_fn) -> dict:
-    result = {"N": n, "D": d, "variants": {}}
-    feat_bytes = 4 * n * d
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        if 3 * feat_bytes > MEM_FRACTION * free:
-            result["variants"] = {k: {"skipped": "features and their gradient do not fit"} for k in plan}
-            return result
-    gen = torch.Generator(device="cpu").manual_seed(n * 7 + d)
-    b = n // 2
-    labels = torch.randint(0, max(b // 8, 2), (b,), generator=gen)
-    labels[torch.rand(b, generator=gen) < 0.4] = -1  # unlabelled rows: excluded from this SupCon term
-    labels = labels.repeat(2).to(device)
-    features = torch.nn.functional.normalize(torch.randn(n, d, generator=gen).to(device), dim=1).requires_grad_(True)
-
-    def make(fn):
-        def step():
-            fn(features, labels).backward()
-            features.grad = None  # freed before the next step's memory baseline
-
-        return lambda: step
-
     fns = {
         "fused": contrastive_loss(
             lambda *a: importlib.import_module("kernels.contrastive").info_nce_loss(*a),
@@ -238,19 +227,35 @@ def contrastive_case(n: int, d: int, device, budget: Budget, args, plan: dict, c
         "eager": contrastive_loss(reference.info_nce_loss, reference.supcon_loss),
         "compiled": compiled_fn,
     }
+
+    def make_inputs():
+        gen = torch.Generator(device=device).manual_seed(n * 7 + d)
+        b = n // 2
+        labels = torch.randint(0, max(b // 8, 2), (b,), generator=gen, device=device)
+        labels[torch.rand(b, generator=gen, device=device) < 0.4] = -1  # unlabelled: out of this SupCon term
+        labels = labels.repeat(2)
+        features = torch.randn(n, d, generator=gen, device=device)
+        features = torch.nn.functional.normalize(features, dim=1).requires_grad_(True)
+
+        def make(fn):
+            def step():
+                fn(features, labels).backward()
+                features.grad = None  # freed before the next step's memory baseline
+
+            return step
+
+        return {name: make(fn) for name, fn in fns.items()}
+
+    feat_bytes = 4 * n * d
     gram_flops = 2.0 * n * n * d
-    for name, why in plan.items():
-        if why:
-            result["variants"][name] = {"skipped": why}
-            continue
-        if name == "fused":
-            est_bytes = 4 * feat_bytes + 64 * 4 * n
-        else:
-            est_bytes = 4 * feat_bytes + EAGER_NN_FLOATS * 4 * n * n
-        est_s = 6 * gram_flops / SUSTAINED_FLOPS[name] + 1e-4  # 2 losses x (1 forward + 2 backward) Gram-sized GEMMs
-        result["variants"][name] = run_variant(name, make(fns[name]), device, budget, args, est_s, est_bytes)
-    result["ratios"] = ratios(result)
-    return result
+    estimates = {
+        name: (
+            6 * gram_flops / SUSTAINED_FLOPS[name] + 1e-4,  # 2 losses x (1 forward + 2 backward) Gram-sized GEMMs
+            4 * feat_bytes + (64 * 4 * n if name == "fused" else EAGER_NN_FLOATS * 4 * n * n),
+        )
+        for name in fns
+    }
+    return run_case({"N": n, "D": d, "variants": {}}, plan, estimates, make_inputs, device, budget, args)
 
 
 # ---------------------------------------------------------------------------------------------- main

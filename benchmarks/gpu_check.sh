@@ -9,7 +9,7 @@
 # Writes <card>-env.txt, <card>-tests.txt, <card>-kernels.json (+ .log), <card>-kmeans.json (+ .log) and
 # <card>-summary.txt, where <card> is a slug of the GPU name (e.g. nvidia-h200). Wheels in .whl/, if any, are
 # installed into /tmp/site first (the machine has no package registry). Env: PYTHON (default python3),
-# KERNEL_BUDGET_S (bench_kernels' time budget, default 200).
+# KERNEL_BUDGET_S (bench_kernels' time budget, default 190).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 RESULTS=${1:-${RESULTS_DIR:-benchmarks/results}}
@@ -72,18 +72,18 @@ for t in tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests
   if [ -f "$t" ]; then tests+=("$t"); else echo "missing test file: $t" | tee -a "$summary"; failed=1; fi
 done
 if [ "${#tests[@]}" -gt 0 ]; then
-  step "parity tests (CUDA)" 150 "$RESULTS/$card-tests.txt" "$PY" -m pytest "${tests[@]}" -q -rfEs -p no:cacheprovider
+  step "parity tests (CUDA)" 140 "$RESULTS/$card-tests.txt" "$PY" -m pytest "${tests[@]}" -q -rfEs -p no:cacheprovider
 fi
 
-step "bench_kernels" 270 "$RESULTS/$card-kernels.log" \
-  "$PY" benchmarks/bench_kernels.py --device cuda --budget-s "${KERNEL_BUDGET_S:-200}" --json "$RESULTS/$card-kernels.json"
+step "bench_kernels" 250 "$RESULTS/$card-kernels.log" \
+  "$PY" benchmarks/bench_kernels.py --device cuda --budget-s "${KERNEL_BUDGET_S:-190}" --json "$RESULTS/$card-kernels.json"
 
 if [ -f benchmarks/bench_kmeans.py ]; then
-  help=$(timeout 60 "$PY" benchmarks/bench_kmeans.py --help 2>&1)
+  help=$(timeout 30 "$PY" benchmarks/bench_kmeans.py --help 2>&1)
   args=()
   grep -q -- "--device" <<<"$help" && args+=(--device cuda)
   grep -q -- "--json" <<<"$help" && args+=(--json "$RESULTS/$card-kmeans.json")
-  step "bench_kmeans" 75 "$RESULTS/$card-kmeans.log" "$PY" benchmarks/bench_kmeans.py "${args[@]}"
+  step "bench_kmeans" 70 "$RESULTS/$card-kmeans.log" "$PY" benchmarks/bench_kmeans.py "${args[@]}"
 else
   echo "bench_kmeans: skipped (benchmarks/bench_kmeans.py not present)" | tee -a "$summary"
 fi
