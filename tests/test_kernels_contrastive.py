@@ -1,0 +1,319 @@
+"""Fused Euclidean contrastive kernels (`kernels/contrastive.py`) vs the PyTorch oracle (`kernels/reference.py`).
+
+On the CPU the Triton kernels run under the interpreter (conftest sets TRITON_INTERPRET=1), where tl.dot is exact
+fp32; on a GPU the same tests run the compiled kernels, whose fp32 Gram is TF32, so fp32 tolerances are looser there.
+The oracle always runs in float64 on the same (upcast) inputs. Every kernel output buffer is poisoned with NaN and
+checked after each call (`POISON` + `DEBUG_HOOK`), so an element a kernel fails to write fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kernels
+from kernels import contrastive as C
+from kernels import reference as ref
+
+GRAMS = ("triton", "mm")
+SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; printed on failure
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """NaN-fill every kernel output buffer and assert that each came back fully written (finite)."""
+    seen = []
+
+    def hook(stage, bufs):
+        for name, t in bufs.items():
+            assert torch.isfinite(t).all(), f"{stage} buffer {name!r} has unwritten/non-finite entries (seed {SEED})"
+        seen.append(stage)
+
+    monkeypatch.setattr(C, "POISON", True)
+    monkeypatch.setattr(C, "DEBUG_HOOK", hook)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    yield seen
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    g = torch.Generator().manual_seed(SEED + hash(request.node.name) % 100_003)
+    return g
+
+
+def _tol(dtype: torch.dtype, device: torch.device, gram: str) -> tuple[float, float]:
+    """(relative loss tolerance, gradient tolerance relative to max |grad|)."""
+    if dtype == torch.float64:
+        return 1e-10, 1e-9
+    if dtype == torch.float32:
+        if device.type == "cuda":
+            return (2e-3, 2e-2) if gram == "triton" else (1e-4, 1e-3)
+        return 2e-5, 2e-4
+    return 3e-2, 1e-1  # fp16 / bf16 inputs (the oracle sees the same rounded values in fp64)
+
+
+def _run(fn, x: torch.Tensor, *args, **kwargs):
+    x = x.detach().clone().requires_grad_(True)
+    loss = fn(x, *args, **kwargs)
+    loss.backward()
+    return loss.detach(), x.grad
+
+
+def _compare(ours_fn, ref_fn, x, args, *, gram, kwargs=None, seen=None, duplicates=False):
+    """Run both (the oracle in float64 on the same values); check dtype, loss and gradient.
+
+    `duplicates`: the oracle's float64 distance between exact duplicate rows is sqrt(rounding error) ~ 1e-8, where
+    the kernels give exactly 0 (sq_i is the Gram diagonal), so float64 is compared at 1e-6 there.
+    """
+    loss, grad = _run(ours_fn, x, *args, **(kwargs or {}))
+    want_loss, want_grad = _run(ref_fn, x.double(), *args)
+    expect = torch.float64 if x.dtype == torch.float64 else torch.float32
+    assert loss.dtype == expect and loss.shape == ()
+    assert grad.dtype == x.dtype and grad.shape == x.shape
+    rtol, gtol = _tol(x.dtype, x.device, gram)
+    if duplicates and x.dtype == torch.float64:
+        rtol, gtol = 1e-6, 1e-5
+    scale = max(abs(want_loss.item()), 1e-3)
+    assert abs(loss.double().item() - want_loss.item()) <= rtol * scale, (
+        f"loss {loss.item()!r} vs {want_loss.item()!r} (seed {SEED})"
+    )
+    gscale = want_grad.abs().max().item()
+    err = (grad.double() - want_grad).abs().max().item()
+    assert err <= gtol * gscale + 1e-30, f"grad error {err:.3e} vs max |grad| {gscale:.3e} (seed {SEED})"
+    if seen is not None:
+        assert seen[-2:] == ["forward", "backward"], seen
+    return loss, grad
+
+
+def _features(n, d, dtype, device, gen, scale=1.0):
+    return (torch.randn(n, d, generator=gen, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+
+
+def _labels(n, device, gen, n_classes=4):
+    """Labels with -1 rows and singleton classes mixed in."""
+    y = torch.randint(0, n_classes, (n,), generator=gen)
+    y[torch.randperm(n, generator=gen)[: n // 5]] = -1
+    y[0], y[1] = 100, 101  # singletons: no positive, still contrasts
+    return y.to(device)
+
+
+# ------------------------------------------------------------------------------------------------------- InfoNCE
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("is_code", [False, True])
+@pytest.mark.parametrize("temperature,smoothing", [(1.0, 0.0), (0.07, 0.1), (1.0, 1.0)])
+def test_info_nce_matches_reference(gram, dtype, is_code, temperature, smoothing, device, gen, poisoned_buffers):
+    x = _features(70, 45, dtype, device, gen)  # 70 rows, 45 columns: ragged against the 32-wide test tiles
+    _compare(
+        C.info_nce_loss,
+        ref.info_nce_loss,
+        x,
+        (temperature, smoothing, is_code),
+        gram=gram,
+        kwargs=dict(gram=gram),
+        seen=poisoned_buffers,
+    )
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+@pytest.mark.parametrize("is_code", [False, True])
+def test_info_nce_two_rows(gram, is_code, device, gen):
+    """N = 2: one class per row, so the loss and the gradient are exactly 0 whatever the smoothing."""
+    x = _features(2, 17, torch.float64, device, gen)
+    for eps in (0.0, 0.5, 1.0):
+        loss, grad = _compare(
+            C.info_nce_loss, ref.info_nce_loss, x, (0.07, eps, is_code), gram=gram, kwargs={"gram": gram}
+        )
+        assert loss.item() == 0.0 and grad.abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("is_code", [False, True])
+def test_info_nce_duplicate_rows(gram, dtype, is_code, device, gen):
+    """Exact duplicates off the diagonal (incl. a positive pair and a scaled copy): distance 0, gradient finite."""
+    x = _features(40, 33, torch.float64, device, gen)
+    x[5] = x[25]  # row 5's positive is row 25: zero positive distance
+    x[7] = x[3]
+    x[30] = 2.0 * x[3]  # the same direction after normalisation (exact: scaling by 2)
+    x = x.to(dtype)
+    for eps in (0.0, 0.1):
+        _compare(
+            C.info_nce_loss,
+            ref.info_nce_loss,
+            x,
+            (0.07, eps, is_code),
+            gram=gram,
+            kwargs={"gram": gram},
+            duplicates=True,
+        )
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+def test_info_nce_strided_input_and_via_dispatch(gram, device, gen, monkeypatch):
+    """A transposed (non-contiguous) input, through `kernels.info_nce_loss(..., backend="triton")`."""
+    monkeypatch.setattr(C, "GRAM", gram)
+    base = _features(37, 66, torch.float64, device, gen)
+    x = base.t()  # [66, 37], strides (1, 66)
+    fn = lambda f, *a: kernels.info_nce_loss(f, *a, backend="triton")
+    _compare(fn, ref.info_nce_loss, x, (0.5, 0.1, False), gram=gram)
+    _compare(fn, ref.info_nce_loss, x, (0.5, 0.1, True), gram=gram)
+
+
+# -------------------------------------------------------------------------------------------------------- SupCon
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("is_code", [False, True])
+@pytest.mark.parametrize("temperature,base", [(0.07, 0.07), (1.0, 0.07)])
+def test_supcon_matches_reference(gram, dtype, is_code, temperature, base, device, gen, poisoned_buffers):
+    x = _features(67, 41, dtype, device, gen, scale=0.3)
+    y = _labels(67, device, gen)
+    _compare(
+        C.supcon_loss,
+        ref.supcon_loss,
+        x,
+        (y, temperature, base, is_code),
+        gram=gram,
+        kwargs=dict(gram=gram),
+        seen=poisoned_buffers,
+    )
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+@pytest.mark.parametrize("is_code", [False, True])
+def test_supcon_no_anchor(gram, is_code, device, gen):
+    """All -1, only singletons, or a single kept row: loss 0 and gradient 0 (as the reference)."""
+    x = _features(36, 20, torch.float64, device, gen)
+    cases = [
+        torch.full((36,), -1),
+        torch.arange(36),
+        torch.where(torch.arange(36) == 4, 3, -1),
+    ]
+    for y in cases:
+        loss, grad = _compare(
+            C.supcon_loss, ref.supcon_loss, x, (y.to(device), 0.07, 0.07, is_code), gram=gram, kwargs={"gram": gram}
+        )
+        assert loss.item() == 0.0 and grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("is_code", [False, True])
+def test_supcon_duplicate_rows_and_large_distances(gram, dtype, is_code, device, gen):
+    """Duplicates inside and across classes, and far-apart rows (logits ~ -1e3: the online LSE must rescale)."""
+    x = _features(50, 24, torch.float64, device, gen, scale=3.0)
+    x[10] = x[20]
+    x[11] = x[12]
+    x[40:] *= 8.0
+    y = _labels(50, device, gen, n_classes=3)
+    y[10], y[20], y[11], y[12] = 1, 1, 2, 0
+    _compare(
+        C.supcon_loss,
+        ref.supcon_loss,
+        x.to(dtype),
+        (y, 0.07, 0.07, is_code),
+        gram=gram,
+        kwargs={"gram": gram},
+        duplicates=True,
+    )
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+def test_supcon_via_dispatch(gram, device, gen, monkeypatch):
+    monkeypatch.setattr(C, "GRAM", gram)
+    x = _features(34, 19, torch.float64, device, gen)
+    y = _labels(34, device, gen).to(torch.int32)
+    fn = lambda f, *a: kernels.supcon_loss(f, *a, backend="triton")
+    _compare(fn, ref.supcon_loss, x, (y, 0.1, 0.07, True), gram=gram)
+    _compare(fn, ref.supcon_loss, x, (y, 0.1, 0.07, False), gram=gram)
+
+
+# --------------------------------------------------------------------------------------------- dtypes and paths
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+def test_half_inputs(gram, device, gen):
+    """fp16 (and bf16 on CUDA; the interpreter's bf16 arithmetic is wrong): fp32 loss, gradient in the input dtype."""
+    dtypes = [torch.float16] + ([torch.bfloat16] if device.type == "cuda" else [])
+    for dtype in dtypes:
+        x = _features(38, 48, dtype, device, gen)
+        y = _labels(38, device, gen)
+        _compare(C.info_nce_loss, ref.info_nce_loss, x, (0.5, 0.1, False), gram=gram, kwargs={"gram": gram})
+        _compare(C.supcon_loss, ref.supcon_loss, x, (y, 0.5, 0.07, False), gram=gram, kwargs={"gram": gram})
+
+
+def test_paths_agree_and_size_rule(device, gen):
+    x = _features(48, 40, torch.float64, device, gen)
+    a = _run(C.info_nce_loss, x, 0.3, 0.1, True, gram="triton")
+    b = _run(C.info_nce_loss, x, 0.3, 0.1, True, gram="mm")
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+    assert C._pick_gram(256, 65536, None) == "mm"  # the training shape: cuBLAS Gram
+    assert C._pick_gram(65536, 256, None) == "triton"  # N^2 does not fit: tiled, O(N D) memory
+    assert C._pick_gram(65536, 256, "mm") == "mm"
+
+
+@pytest.mark.slow
+def test_larger_ragged(device, gen):
+    """Several tiles in every direction on the tl.dot path (N = 134, D = 80), fp32, code variant (3 passes)."""
+    x = _features(134, 80, torch.float32, device, gen)
+    y = _labels(134, device, gen, n_classes=6)
+    _compare(C.info_nce_loss, ref.info_nce_loss, x, (0.07, 0.1, True), gram="triton", kwargs={"gram": "triton"})
+    _compare(C.supcon_loss, ref.supcon_loss, x, (y, 0.07, 0.07, True), gram="triton", kwargs={"gram": "triton"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-sync detection needs CUDA")
+@pytest.mark.parametrize("gram", GRAMS)
+def test_no_host_sync(gram, gen):
+    x = _features(64, 96, torch.float32, torch.device("cuda"), gen).requires_grad_(True)
+    y = _labels(64, x.device, gen)
+    C.info_nce_loss(x, 1.0, 0.1, True, gram=gram)  # compile outside the check
+    C.supcon_loss(x, y, 0.07, 0.07, True, gram=gram)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = C.info_nce_loss(x, 1.0, 0.1, True, gram=gram) + C.supcon_loss(x, y, 0.07, 0.07, True, gram=gram)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# ------------------------------------------------------------------------------------------------------- errors
+
+
+def test_errors(device):
+    x = torch.randn(6, 8, device=device)
+    y = torch.zeros(6, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="even number of rows"):
+        C.info_nce_loss(torch.randn(5, 8, device=device))
+    with pytest.raises(ValueError, match="even number of rows"):
+        C.info_nce_loss(torch.randn(0, 8, device=device))
+    with pytest.raises(ValueError, match="2-D"):
+        C.info_nce_loss(torch.randn(6, 8, 2, device=device))
+    with pytest.raises(ValueError, match="2-D"):
+        C.supcon_loss(torch.randn(6, device=device), y)
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        C.info_nce_loss(torch.ones(6, 8, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="temperature"):
+        C.info_nce_loss(x, 0.0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        C.info_nce_loss(x, 1.0, 1.5)
+    with pytest.raises(ValueError, match="base_temperature"):
+        C.supcon_loss(x, y, 0.07, -1.0)
+    with pytest.raises(ValueError, match="one entry per feature row"):
+        C.supcon_loss(x, y[:5])
+    with pytest.raises(TypeError, match="integer"):
+        C.supcon_loss(x, y.float())
+    with pytest.raises(ValueError, match="gram"):
+        C.info_nce_loss(x, gram="cublas")
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="labels are on"):
+            C.supcon_loss(x, y.cpu())
+    else:
+        with pytest.raises(ValueError, match="labels are on"):
+            C.supcon_loss(x, y.to("meta"))
