@@ -257,58 +257,64 @@ def _global_rank_within_cluster(lab: torch.Tensor, dist: torch.Tensor, K: int):
 
 # --------------------------------------------------------------------------------------------------------- k-means++
 def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude: int | None) -> torch.Tensor:
-    """k-means++ from the labelled means; running min distance against the newest centre only.
+    """k-means++ from the labelled means for R restarts at once (``uniforms`` [R, K - nL]) -> centres [R, K, D].
 
+    The running min distance is updated against the newest centre only, and the R restarts share every pass over the
+    data (one [N, D] x [D, R] GEMM per seed step instead of R GEMVs); each restart is still exactly the sequential
+    k-means++ of its own uniforms.
     ``exclude``: after each new seed, drop the ``exclude`` still-available unlabelled points nearest to it from later
     draws (InfoSieve's intended behaviour, whose published version deletes the wrong rows, REFERENCE.md §5.2).
     """
     u, x2, K, nL = p.u, p.x2, p.K, p.nL
-    dev, world = p.device, get_world_size()
-    C = torch.empty(K, u.shape[1], dtype=u.dtype, device=dev)
-    C[:nL] = means
+    dev, world, n = p.device, get_world_size(), p.u.shape[0]
+    R = uniforms.shape[0]
+    C = torch.empty(R, K, u.shape[1], dtype=u.dtype, device=dev)
+    C[:, :nL] = means
     if nL:
-        d2 = p.ops.nearest(u, x2, means)[0].to(torch.float64)
+        d2 = p.ops.nearest(u, x2, means)[0].to(torch.float64)[:, None].repeat(1, R)  # [N, R]
     else:
-        d2 = torch.ones(u.shape[0], dtype=torch.float64, device=dev)
-    avail = torch.ones(u.shape[0], dtype=torch.bool, device=dev) if exclude else None
+        d2 = torch.ones(n, R, dtype=torch.float64, device=dev)
+    avail = torch.ones(n, R, dtype=torch.bool, device=dev) if exclude else None
     n_glob = torch.tensor(float(p.n_u_global), dtype=torch.float64, device=dev)
     for j in range(K - nL):
         w = d2 if avail is None else d2 * avail
-        tot = all_reduce_sum(w.sum().reshape(1))[0]
+        tot = all_reduce_sum(w.sum(0))
         if avail is not None:  # everything excluded: fall back to plain k-means++ weights
             w = torch.where(tot > 0, w, d2)
-            tot = torch.where(tot > 0, tot, all_reduce_sum(d2.sum().reshape(1))[0])
+            tot = torch.where(tot > 0, tot, all_reduce_sum(d2.sum(0)))
         zero = tot <= 0  # all points coincide with centres: draw uniformly
         w = torch.where(zero, torch.ones_like(w), w)
         tot = torch.where(zero, n_glob, tot)
-        r = uniforms[j]
+        r = uniforms[:, j].contiguous()
         if world == 1:
-            cum = torch.cumsum(w / tot, 0)
-            ind = torch.searchsorted(cum, r.reshape(1)).clamp_(max=u.shape[0] - 1)
-            c = u[ind][0]
+            cum = torch.cumsum(w / tot, 0).t().contiguous()  # [R, N]
+            ind = torch.searchsorted(cum, r[:, None]).clamp_(max=n - 1)[:, 0]
+            c = u[ind]  # [R, D]
         else:
-            rank_w, rank = all_gather_cat(w.sum().reshape(1))  # one entry per rank: offset == rank
-            before = rank_w[:rank].sum() / tot
-            hi = torch.cumsum(rank_w / tot, 0)
-            last = int(torch.nonzero(rank_w > 0).max()) if bool((rank_w > 0).any()) else world - 1
-            owner = min(int(torch.searchsorted(hi, r.reshape(1)).item()), last)
-            c = torch.zeros(u.shape[1], dtype=u.dtype, device=dev)
-            if rank == owner and u.shape[0]:
-                cum = torch.cumsum(w / tot, 0) + before
-                ind = torch.searchsorted(cum, r.reshape(1)).clamp_(max=u.shape[0] - 1)
-                c = u[ind][0].clone()
+            rank_w, rank = all_gather_cat(w.sum(0)[None])  # [world, R]; offset == rank
+            before = rank_w[:rank].sum(0) / tot
+            hi = torch.cumsum(rank_w / tot, 0).t().contiguous()  # [R, world]
+            owner = torch.searchsorted(hi, r[:, None])[:, 0]
+            last = torch.where(rank_w > 0, torch.arange(world, device=dev)[:, None], 0).max(0).values
+            owner = torch.minimum(owner, last)
+            c = torch.zeros(R, u.shape[1], dtype=u.dtype, device=dev)
+            mine = owner == rank
+            if n and bool(mine.any()):
+                cum = (torch.cumsum(w / tot, 0) + before).t().contiguous()
+                ind = torch.searchsorted(cum, r[:, None]).clamp_(max=n - 1)[:, 0]
+                c[mine] = u[ind[mine]]
             c = all_reduce_sum(c)
-        C[nL + j] = c
-        dn = (x2 - 2 * (u @ c) + (c * c).sum()).clamp_min_(0).to(torch.float64)
+        C[:, nL + j] = c
+        dn = (x2[:, None] - 2 * (u @ c.t()) + (c * c).sum(1)[None]).clamp_min_(0).to(torch.float64)  # [N, R]
         d2 = dn if (nL == 0 and j == 0) else torch.minimum(d2, dn)
         if avail is not None:
             masked = dn.masked_fill(~avail, float("inf"))
-            k_loc = min(exclude, u.shape[0])
-            vals = torch.topk(masked, k_loc, largest=False).values if k_loc else masked[:0]
+            k_loc = min(exclude, n)
+            vals = torch.topk(masked, k_loc, dim=0, largest=False).values if k_loc else masked[:0]
             g_vals, _ = all_gather_cat(vals)
-            g_vals = torch.sort(g_vals).values
+            g_vals = torch.sort(g_vals, dim=0).values
             thr = g_vals[min(exclude, g_vals.shape[0]) - 1]
-            avail &= ~(dn <= thr)
+            avail &= ~(dn <= thr[None])
     return C
 
 
@@ -509,12 +515,17 @@ def semi_supervised_kmeans(
         frozen[:nL] = True
     n_seeds = K - nL
     rs = np.random.RandomState(seed)
-    uniforms = torch.from_numpy(rs.random_sample(n_init * n_seeds)).to(dev)
+    uniforms = torch.from_numpy(rs.random_sample(n_init * n_seeds)).to(dev).reshape(n_init, n_seeds)
+    kpp_batch = max(1, min(n_init, (2**27) // max(1, 8 * u.shape[0])))  # [N, R] fp64 work arrays of <= 128 MiB
 
+    exclude = cs if (balanced and balance == "reference") else None
+    seeds_all = []
+    for r0 in range(0, n_init, kpp_batch):  # restarts share k-means++ passes over the data, kpp_batch at a time
+        r1 = min(r0 + kpp_batch, n_init)
+        seeds_all.extend(_kmeans_pp(p, means, uniforms[r0:r1], exclude).unbind(0))
     best, best_init = None, 0
     for r in range(n_init):
-        exclude = cs if (balanced and balance == "reference") else None
-        C = _kmeans_pp(p, means, uniforms[r * n_seeds : (r + 1) * n_seeds], exclude)
+        C = seeds_all[r].clone()
         run = _Run()
         if not balanced:
             run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
