@@ -40,7 +40,9 @@ class DeviceAugment:
                 "larger images"
             )
         if len(self.cfg.mean) != images.shape[1] or len(self.cfg.std) != images.shape[1]:
-            raise ValueError(f"mean/std have {len(self.cfg.mean)} entries but the images have {images.shape[1]} channels")
+            raise ValueError(
+                f"mean/std have {len(self.cfg.mean)} entries but the images have {images.shape[1]} channels"
+            )
 
     def _normalise(self, x: Tensor) -> Tensor:
         mean = torch.tensor(self.cfg.mean, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
@@ -57,20 +59,27 @@ class DeviceAugment:
     def train_views(self, images: Tensor, n_views: int, generator: torch.Generator) -> Tensor:
         """`n_views` independent augmentations, view-major: float32 [n_views * B, C, crop, crop].
 
-        `generator` must live on the images' device; random draws come only from it, so runs are reproducible.
+        `generator` must live on the images' device; random draws come only from it, so runs are reproducible. On the
+        CPU the views are cut with a per-view loop (much faster there than one batched gather); both paths make the
+        same random draws and give the same views.
         """
         self._check(images)
         b, _, h, w = images.shape
         c = self.cfg.crop_size
         dev = images.device
         n = n_views * b
-        src = images.repeat(n_views, 1, 1, 1)
         top = torch.randint(0, h - c + 1, (n,), generator=generator, device=dev)
         left = torch.randint(0, w - c + 1, (n,), generator=generator, device=dev)
+        flip = torch.rand(n, generator=generator, device=dev) < 0.5 if self.cfg.hflip else None
+        if dev.type == "cpu" and not self._gather_on_cpu:
+            if self.cfg.color_jitter > 0:
+                x = self._views_loop(images, n_views, top, left, flip, normalise=False)
+                return self._normalise(self._jitter(x, generator))
+            return self._views_loop(images, n_views, top, left, flip, normalise=True)
+        src = images.repeat(n_views, 1, 1, 1)
         rows = (top[:, None] + torch.arange(c, device=dev)[None, :])[:, None, :, None]
         cols = (left[:, None] + torch.arange(c, device=dev)[None, :])[:, None, None, :]
-        if self.cfg.hflip:
-            flip = torch.rand(n, generator=generator, device=dev) < 0.5
+        if flip is not None:
             cols = torch.where(flip[:, None, None, None], cols.flip(-1), cols)
         idx = torch.arange(n, device=dev)[:, None, None, None]
         chan = torch.arange(images.shape[1], device=dev)[None, :, None, None]
@@ -78,6 +87,32 @@ class DeviceAugment:
         if self.cfg.color_jitter > 0:
             x = self._jitter(x, generator)
         return self._normalise(x)
+
+    _gather_on_cpu = False  # tests switch this on to compare the two paths
+
+    def _views_loop(
+        self, images: Tensor, n_views: int, top: Tensor, left: Tensor, flip: Tensor | None, normalise: bool
+    ) -> Tensor:
+        """CPU path: slice each crop, convert (and normalise) it while it is in cache; float32 in [0, 1] otherwise."""
+        b, ch = images.shape[:2]
+        c = self.cfg.crop_size
+        n = n_views * b
+        out = torch.empty(n, ch, c, c, dtype=torch.float32)
+        if not normalise:
+            scale, shift = torch.full((ch, 1, 1), 1 / 255.0), torch.zeros(ch, 1, 1)
+        else:
+            std = torch.tensor(self.cfg.std, dtype=torch.float32).view(-1, 1, 1)
+            mean = torch.tensor(self.cfg.mean, dtype=torch.float32).view(-1, 1, 1)
+            scale, shift = 1.0 / (255.0 * std), mean / std
+        tops, lefts = top.tolist(), left.tolist()
+        flips = flip.tolist() if flip is not None else [False] * n
+        for i in range(n):
+            t, l = tops[i], lefts[i]
+            view = images[i % b, :, t : t + c, l : l + c]
+            o = out[i]
+            o.copy_(view.flip(-1) if flips[i] else view)
+            o.mul_(scale).sub_(shift)
+        return out
 
     def _jitter(self, x: Tensor, generator: torch.Generator) -> Tensor:
         s = self.cfg.color_jitter

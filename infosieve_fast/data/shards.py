@@ -1,0 +1,482 @@
+"""`infosieve make-shards`: a dataset in its native layout -> WebDataset tar shards + `manifest.json`.
+
+Every image is decoded once, converted to RGB, resized so its shorter side is `resize` (bicubic with antialiasing,
+the long side `int(resize * long / short)`, exactly torchvision's `Resize(256, interpolation=3)` on a PIL image) and
+stored as a JPEG (quality 95). Each sample holds `jpg`, `cls` (target, known classes first), `uq` (the sample's index
+in the dataset's native train order = the reference's `uq_idx`; the test index for test samples) and `lab` (1 when
+its label may be used). Train samples are written in a fixed random order (`RandomState(0)`) so that every shard
+mixes the classes; test samples in native order.
+
+Robustness:
+- every shard is written to `NAME.tmp`, flushed, fsynced and renamed; a state file records each finished shard, so a
+  killed run resumes after the last finished shard and produces byte-identical shards (fixed tar metadata);
+- an image that cannot be read or decoded is skipped, reported, and listed in the manifest's `skipped`;
+- re-running on complete output verifies every shard's size and sha256 and does nothing; a damaged or missing shard
+  is rewritten;
+- an output folder holding another dataset's shards, or shards made with other settings, is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from .layouts import DATASETS, RawDataset, canonical_name, read_dataset
+from .splits import check_counts, gcd_split, split_counts
+
+FORMAT = "infosieve-shards/1"
+JPEG_QUALITY = 95
+MANIFEST = "manifest.json"
+STATE = ".make-shards-state.json"
+ORDER_SEED = 0  # the fixed shuffle of the train write order
+PROP, SPLIT_SEED = 0.5, 0  # REFERENCE.md §7: half of the known-class images labelled, RandomState(0)
+
+
+class ShardsError(RuntimeError):
+    """The output folder cannot be used (another dataset, other settings)."""
+
+
+# ---- image processing (runs in worker processes) -------------------------------------------------------------------
+
+
+def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
+    """torchvision's `Resize(size)` output (w, h): the shorter side becomes `size`, the longer `int(size*long/short)`."""
+    if width <= height:
+        return size, int(size * height / width)
+    return int(size * width / height), size
+
+
+def load_rgb(source) -> Image.Image:  # noqa: F821
+    """A sample's image, fully decoded, as RGB. `source` is a path or an HxWx3 uint8 array."""
+    from PIL import Image
+
+    if isinstance(source, np.ndarray):
+        return Image.fromarray(source, "RGB")
+    with Image.open(source) as im:
+        im.load()
+        return im.convert("RGB")
+
+
+def resize_image(im: Image.Image, size: int) -> Image.Image:  # noqa: F821
+    from PIL import Image
+
+    target = resized_size(im.width, im.height, size)
+    return im if target == im.size else im.resize(target, Image.BICUBIC)
+
+
+def encode_image(source, size: int, quality: int = JPEG_QUALITY) -> bytes:
+    """The stored bytes of one sample: RGB, shorter side `size`, JPEG."""
+    buf = io.BytesIO()
+    resize_image(load_rgb(source), size).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _encode_job(job: tuple) -> tuple[int, bytes | None, str | None]:
+    pos, source, size, quality = job
+    try:
+        return pos, encode_image(source, size, quality), None
+    except Exception as exn:  # any unreadable/corrupt image is skipped and reported, never fatal
+        return pos, None, f"{type(exn).__name__}: {exn}"
+
+
+# ---- tar writing -----------------------------------------------------------------------------------------------------
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uname, info.gname = len(data), 0, 0o644, "", ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _Plan:
+    """What to write for one split: sources in write order, with their cls/uq/lab fields."""
+
+    def __init__(self, split: str, sources: list, names: list[str], cls: np.ndarray, uq: np.ndarray, lab: np.ndarray):
+        self.split, self.sources, self.names, self.cls, self.uq, self.lab = split, sources, names, cls, uq, lab
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def _encoded(plan: _Plan, start: int, stop: int, resize: int, quality: int, pool) -> Iterator[tuple]:
+    jobs = ((p, plan.sources[p], resize, quality) for p in range(start, stop))
+    if pool is None:
+        yield from map(_encode_job, jobs)
+    else:
+        yield from pool.imap(_encode_job, jobs, chunksize=8)
+
+
+def _write_shards(
+    plan: _Plan, out: Path, prefix: str, done: list[dict], stop_at: int, size_bytes: int, resize: int, quality: int,
+    pool, on_shard, bar,
+) -> None:  # fmt: skip
+    """Append shards to `done` from position done[-1].end on, calling `on_shard` after each finished one."""
+    pos = done[-1]["start"] + done[-1]["count"] if done else 0
+    results = _encoded(plan, pos, stop_at, resize, quality, pool)
+    while pos < stop_at:
+        record = _write_one(
+            plan, out, f"{prefix}-{plan.split}-{len(done):05d}.tar", pos, results, size_bytes, stop_at, bar
+        )
+        done.append(record)
+        pos += record["count"]
+        on_shard()
+
+
+def _write_one(
+    plan: _Plan, out: Path, name: str, start: int, results: Iterator[tuple], size_bytes: int, stop_at: int, bar
+) -> dict:
+    """Write positions start.. into `name` until it reaches `size_bytes` (or `stop_at`); atomic."""
+    tmp = out / (name + ".tmp")
+    skipped, written, pos = [], 0, start
+    with open(tmp, "wb") as f:
+        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            while pos < stop_at and f.tell() < size_bytes:
+                p, data, err = next(results)
+                assert p == pos, (p, pos)
+                if data is None:
+                    skipped.append(
+                        {"split": plan.split, "uq": int(plan.uq[p]), "labelled": bool(plan.lab[p]),
+                         "source": plan.names[p], "error": err}
+                    )  # fmt: skip
+                    print(f"make-shards: skipped {plan.names[p]} ({plan.split}): {err}", file=sys.stderr)
+                else:
+                    key = f"{int(plan.uq[p]):08d}"
+                    _add(tar, key + ".jpg", data)
+                    _add(tar, key + ".cls", b"%d" % int(plan.cls[p]))
+                    _add(tar, key + ".uq", b"%d" % int(plan.uq[p]))
+                    _add(tar, key + ".lab", b"%d" % int(plan.lab[p]))
+                    written += 1
+                pos += 1
+                if bar is not None:
+                    bar.update(1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / name)
+    size = (out / name).stat().st_size
+    return {
+        "name": name, "start": start, "count": pos - start, "written": written, "bytes": size,
+        "sha256": _sha256(out / name), "skipped": skipped,
+    }  # fmt: skip
+
+
+# ---- the command -----------------------------------------------------------------------------------------------------
+
+
+def _plans(raw: RawDataset) -> tuple[_Plan, _Plan, dict]:
+    labelled, targets = gcd_split(raw.train_labels, raw.known, PROP, SPLIT_SEED, novel_classes=raw.novel)
+    order = raw.known + raw.novel
+    remap = {c: i for i, c in enumerate(order)}
+    stray = sorted(set(raw.test_labels.tolist()) - set(order))
+    if stray:
+        raise ShardsError(f"test classes {stray[:10]} are not train classes")
+    test_targets = np.asarray([remap[c] for c in raw.test_labels.tolist()], np.int64)
+    n = len(raw.train)
+    write_order = np.random.RandomState(ORDER_SEED).permutation(n)
+    train = _Plan(
+        "train", [raw.train[i] for i in write_order], [raw.train_names[i] for i in write_order],
+        targets[write_order], write_order, labelled[write_order],
+    )  # fmt: skip
+    nt = len(raw.test)
+    test = _Plan("test", raw.test, raw.test_names, test_targets, np.arange(nt), np.zeros(nt, bool))
+    counts = split_counts(labelled, targets, len(raw.known), nt)
+    return train, test, counts
+
+
+def _fingerprint(raw: RawDataset, resize: int, quality: int, shard_size_mb: float) -> dict:
+    return {
+        "format": FORMAT, "dataset": raw.dataset, "resize": resize, "jpeg_quality": quality,
+        "shard_size_mb": shard_size_mb, "known": raw.known, "novel": raw.novel, "n_train": len(raw.train),
+        "n_test": len(raw.test), "prop": PROP, "split_seed": SPLIT_SEED, "order_seed": ORDER_SEED,
+    }  # fmt: skip
+
+
+def _check_out(out: Path, dataset: str, fingerprint: dict) -> dict | None:
+    """The previous manifest or state in `out` when it belongs to this run; refuse anything else."""
+    for fname in (MANIFEST, STATE):
+        path = out / fname
+        if path.exists():
+            prev = json.loads(path.read_text())
+            if prev.get("dataset") != dataset:
+                raise ShardsError(
+                    f"{out} holds shards of dataset {prev.get('dataset')!r}, not {dataset!r}: choose another --out"
+                )
+            if prev.get("fingerprint") != fingerprint:
+                diff = sorted(k for k in fingerprint if prev.get("fingerprint", {}).get(k) != fingerprint[k])
+                raise ShardsError(
+                    f"{out} holds {dataset} shards made with other settings ({', '.join(diff)}): choose another --out "
+                    "or delete the folder"
+                )
+            return prev
+    foreign = sorted(p.name for p in out.glob("*.tar") if not p.name.startswith(dataset + "-"))
+    if foreign:
+        raise ShardsError(f"{out} holds shards of another dataset ({foreign[0]}, ...): choose another --out")
+    return None
+
+
+def _shard_ok(out: Path, rec: dict) -> bool:
+    path = out / rec["name"]
+    return path.is_file() and path.stat().st_size == rec["bytes"] and _sha256(path) == rec["sha256"]
+
+
+def _manifest(raw: RawDataset, fingerprint: dict, counts: dict, done: dict, resize: int, quality: int) -> dict:
+    order = raw.known + raw.novel
+    skipped = [s for split in ("train", "test") for rec in done[split] for s in rec["skipped"]]
+    counts = dict(counts)
+    for split in ("train", "test"):
+        counts[f"written_{split}"] = sum(r["written"] for r in done[split])
+        counts[f"skipped_{split}"] = sum(len(r["skipped"]) for r in done[split])
+    problems = check_counts(raw.dataset, counts)
+    return {
+        "format": FORMAT,
+        "dataset": raw.dataset,
+        "root": str(raw.root),
+        "fingerprint": fingerprint,
+        "image": f"RGB JPEG (quality {quality}), shorter side {resize} (bicubic, antialiased), aspect kept",
+        "resize": resize,
+        "classes": {
+            "names": [raw.class_names[c] for c in order],  # by target (remapped id)
+            "native_ids": order,  # target -> native class id
+            "known": raw.known,
+            "novel": raw.novel,
+        },
+        "n_old": len(raw.known),
+        "n_classes": len(order),
+        "counts": counts,
+        "reference_check": problems if problems else ("ok" if check_counts_applies(raw.dataset, counts) else "n/a"),
+        "splits": {
+            split: {"n": fingerprint[f"n_{split}"], "written": counts[f"written_{split}"], "shards": done[split]}
+            for split in ("train", "test")
+        },
+        "skipped": skipped,
+        "notes": raw.notes,
+    }
+
+
+def check_counts_applies(dataset: str, counts: dict) -> bool:
+    from .splits import EXPECTED_COUNTS
+
+    exp = EXPECTED_COUNTS.get(dataset)
+    if exp is None:
+        return False
+    if "train" in exp:
+        return counts.get("train") == exp["train"]
+    return counts.get("train", 0) >= exp.get("train_min", 0)
+
+
+def make_shards(
+    dataset: str,
+    root: str | Path,
+    out: str | Path,
+    *,
+    shard_size_mb: float = 256,
+    known_classes: list[int] | None = None,
+    resize: int = 256,
+    workers: int = min(8, os.cpu_count() or 1),
+    progress: bool = True,
+    jpeg_quality: int = JPEG_QUALITY,
+) -> dict:
+    """Write `dataset` (native layout under `root`) as shards into `out`; returns the manifest (also `manifest.json`)."""
+    dataset = canonical_name(dataset)
+    out = Path(out)
+    raw = read_dataset(dataset, root, known_classes)
+    train, test, counts = _plans(raw)
+    fingerprint = _fingerprint(raw, resize, jpeg_quality, shard_size_mb)
+    out.mkdir(parents=True, exist_ok=True)
+    prev = _check_out(out, dataset, fingerprint)
+    log = (lambda msg: print(f"make-shards: {msg}", file=sys.stderr)) if progress else (lambda msg: None)
+    log(
+        f"{dataset}: {len(raw.class_names)} classes ({len(raw.known)} known, {len(raw.novel)} novel); train "
+        f"{counts['train']:,} = labelled {counts['labelled']:,} + unlabelled {counts['unlabelled']:,} "
+        f"({counts['unlabelled_known']:,} known, {counts['unlabelled_novel']:,} novel); test {counts['test']:,}"
+    )
+    for note in raw.notes:
+        log(note)
+    for problem in check_counts(dataset, counts):
+        print(f"make-shards: WARNING: {problem}", file=sys.stderr)
+
+    plans = {"train": train, "test": test}
+    done: dict[str, list[dict]] = {"train": [], "test": []}
+    redo: dict[str, list[dict]] = {"train": [], "test": []}
+    if prev is not None and prev.get("format") == FORMAT and "splits" in prev:  # a manifest: verify, repair
+        for split in plans:
+            done[split] = prev["splits"][split]["shards"]
+            redo[split] = [r for r in done[split] if not _shard_ok(out, r)]
+        if not any(redo.values()):
+            log(f"{out} is complete and verified (sha256): nothing to do")
+            return prev
+        log(f"repairing {sum(map(len, redo.values()))} damaged or missing shard(s)")
+    elif prev is not None:  # a state file: resume
+        done = {split: [r for r in prev["done"][split]] for split in plans}
+        for split in plans:  # a finished shard that went missing since is rewritten in order
+            good = []
+            for rec in done[split]:
+                if not _shard_ok(out, rec):
+                    break
+                good.append(rec)
+            done[split] = good
+        log(f"resuming after {len(done['train'])} train + {len(done['test'])} test shard(s)")
+    for tmp in out.glob("*.tmp"):
+        tmp.unlink()
+
+    def save_state() -> None:
+        _atomic_json(out / STATE, {"dataset": dataset, "fingerprint": fingerprint, "done": done})
+
+    size_bytes = int(shard_size_mb * 2**20)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        todo = sum(len(plans[s]) - sum(r["count"] for r in done[s]) for s in plans) if not any(redo.values()) else None
+        bar = tqdm(total=todo, unit="img", desc=f"make-shards {dataset}", file=sys.stderr)
+    pool = None
+    if workers > 1:
+        import multiprocessing as mp
+
+        pool = mp.get_context("fork").Pool(workers)
+    try:
+        if any(redo.values()):
+            for split, recs in redo.items():
+                for rec in recs:
+                    results = _encoded(
+                        plans[split], rec["start"], rec["start"] + rec["count"], resize, jpeg_quality, pool
+                    )
+                    new = _write_one(
+                        plans[split], out, rec["name"], rec["start"], results, 1 << 62, rec["start"] + rec["count"], bar
+                    )
+                    if new["sha256"] != rec["sha256"]:
+                        print(
+                            f"make-shards: WARNING: rewritten {rec['name']} differs from the manifest", file=sys.stderr
+                        )
+                    rec.update(new)
+        else:
+            save_state()
+            for split in ("train", "test"):
+                _write_shards(
+                    plans[split], out, dataset, done[split], len(plans[split]), size_bytes, resize, jpeg_quality,
+                    pool, save_state, bar,
+                )  # fmt: skip
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if bar is not None:
+            bar.close()
+    manifest = _manifest(raw, fingerprint, counts, done, resize, jpeg_quality)
+    _atomic_json(out / MANIFEST, manifest)
+    (out / STATE).unlink(missing_ok=True)
+    n_shards = sum(len(done[s]) for s in done)
+    log(
+        f"wrote {out}: {n_shards} shard(s), {manifest['counts']['written_train']:,} train + "
+        f"{manifest['counts']['written_test']:,} test samples, {len(manifest['skipped'])} skipped"
+    )
+    if manifest["skipped"]:
+        print(
+            f"make-shards: WARNING: {len(manifest['skipped'])} unreadable image(s) skipped, listed in "
+            f"{out / MANIFEST} under 'skipped'",
+            file=sys.stderr,
+        )
+    return manifest
+
+
+# ---- CLI -------------------------------------------------------------------------------------------------------------
+
+
+def parse_class_list(text: str) -> list[int]:
+    """'0,1,2', '0 1 2' or ranges '0-49' (inclusive)."""
+    out: list[int] = []
+    for part in text.replace(",", " ").split():
+        if "-" in part[1:]:
+            a, b = part.split("-", 1)
+            out.extend(range(int(a), int(b) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `infosieve make-shards`."""
+    parser.add_argument("--dataset", required=True, help=f"one of: {', '.join(DATASETS)}")
+    parser.add_argument("--root", required=True, help="the raw dataset in its official layout (see docs/data.md)")
+    parser.add_argument("--out", required=True, help="output folder for the shards and manifest.json")
+    parser.add_argument("--shard-size-mb", type=float, default=256, help="target size of one tar shard (default 256)")
+    parser.add_argument(
+        "--known-classes",
+        nargs="+",
+        default=None,
+        help="known class ids (native), e.g. '0-49' or '0 1 2'; needed by imagefolder/cubfiles (default: first half); "
+        "overrides the reference split for the named datasets",
+    )
+    parser.add_argument("--resize", type=int, default=256, help="shorter side of the stored images (default 256)")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="encoding processes")
+    parser.add_argument("--jpeg-quality", type=int, default=JPEG_QUALITY, help="JPEG quality of the stored images")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run `make-shards` from parsed arguments; returns the exit code (2 on a bad input, with a message)."""
+    from .layouts import LayoutError
+
+    known = parse_class_list(" ".join(args.known_classes)) if args.known_classes else None
+    t0 = time.time()
+    try:
+        manifest = make_shards(
+            args.dataset, args.root, args.out, shard_size_mb=args.shard_size_mb, known_classes=known,
+            resize=args.resize, workers=args.workers, progress=not args.no_progress, jpeg_quality=args.jpeg_quality,
+        )  # fmt: skip
+    except (ShardsError, LayoutError) as exn:
+        print(f"make-shards: error: {exn}", file=sys.stderr)
+        return 2
+    c = manifest["counts"]
+    print(
+        json.dumps(
+            {
+                "dataset": manifest["dataset"],
+                "out": str(args.out),
+                "labelled": c["labelled"],
+                "unlabelled": c["unlabelled"],
+                "test": c["test"],
+                "n_old": manifest["n_old"],
+                "n_classes": manifest["n_classes"],
+                "skipped": len(manifest["skipped"]),
+                "reference_check": manifest["reference_check"],
+                "seconds": round(time.time() - t0, 1),
+            }
+        )
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="infosieve make-shards", description=__doc__.split("\n")[0])
+    add_cli_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""Shards -> uint8 batches for the trainer: a `GCDSource` over the output of `make-shards`.
+
+Images come out decoded at a FIXED size S x S (S = the shards' `resize`, 256): the stored image (shorter side S,
+aspect kept) is centre-cropped to S x S so batches stack. This departs from the reference, whose `RandomCrop(224)`
+ranges over the whole non-square `Resize(256)` image: here the training crops (made on the device by
+`augment.DeviceAugment`) range over its central S x S square. The test view (centre 224 of the centre 256) equals the
+reference's `CenterCrop(224)` up to one pixel of rounding.
+
+Two paths, chosen by the decoded size of the split against `memory_threshold_mb`:
+- in memory: decode every sample once (worker processes), keep one uint8 tensor [N, 3, S, S] in RAM, or on `device`;
+  batches are gathered from it. The labelled share uses `sampler.sample_epoch` exactly like `InMemoryGCD`.
+- streaming: a WebDataset pipeline per DataLoader worker. Work is split over (rank, worker) slots: by shard when there
+  are at least as many shards as slots, else by sample (every slot reads every shard and decodes only its samples).
+  Training epochs are resampled: each epoch has its own shard order and sample-to-slot assignment (seeded by seed and
+  epoch, the same on every rank); the stream runs on into the next epoch's data when a slot runs dry, so every rank
+  yields the same number of batches, `n // (batch_size * world_size)`. The labelled share is approximated per sample:
+  each sample is emitted Poisson(w) times, w = share / p for labelled and (1 - share) / (1 - p) for unlabelled samples
+  (p = labelled fraction), which is what sampling n draws with replacement from those weights converges to; a shuffle
+  buffer (of the undecoded bytes) spreads the repeats. `sampling="shuffle"` instead yields every sample at most once
+  per epoch with no re-weighting.
+The feature pass and the test pass deliver every sample exactly once across all ranks and workers, in a fixed order.
+
+A truncated or damaged shard is reported (size check against the manifest when the source opens, a warning for each
+read or decode error, and a count check after every exact pass) and its unreadable samples are skipped, never fatal.
+uq: the manifest's `uq` is the native train index; when make-shards skipped unreadable images, the uq values are
+compacted (native index minus the number of skipped ones before it) so that they run over 0..n_train-1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .base import Batch
+from .sampler import reference_labelled_share, sample_epoch
+
+DEFAULT_MEMORY_THRESHOLD_MB = 8192.0
+
+
+try:  # imported here, not in the workers: forked DataLoader workers then start without re-importing
+    import webdataset as wds
+except ImportError:  # pragma: no cover
+    wds = None
+
+
+def _report(msg: str) -> None:
+    print(f"infosieve data: WARNING: {msg}", file=sys.stderr, flush=True)
+
+
+def _handler(exn: Exception) -> bool:
+    """webdataset exception handler: report and go on with the next sample or shard."""
+    _report(f"skipped unreadable shard data: {type(exn).__name__}: {exn}")
+    return True
+
+
+def _jpeg_decoder():
+    """torchvision's libjpeg-turbo decoder (about 2x PIL's speed here), or PIL where torchvision has none."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29 deprecates its image codecs
+            from torchvision.io import ImageReadMode, decode_jpeg
+
+        def decode(data: bytes) -> Tensor:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+    except ImportError:  # pragma: no cover - depends on the torchvision build
+        import io
+
+        from PIL import Image
+
+        def decode(data: bytes) -> Tensor:
+            arr = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+            return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+
+    return decode
+
+
+_decode = _jpeg_decoder()
+
+
+def decode_fixed(data: bytes, size: int) -> Tensor:
+    """JPEG bytes -> uint8 [3, size, size]: decode as RGB, centre-crop to size x size."""
+    img = _decode(data)
+    h, w = img.shape[-2:]
+    if h < size or w < size:
+        raise ValueError(f"stored image of {h}x{w} is smaller than {size}x{size}")
+    top, left = (h - size) // 2, (w - size) // 2
+    return img[:, top : top + size, left : left + size]
+
+
+class _Stream(IterableDataset):
+    """Per-worker pipeline: shards -> samples (webdataset) -> this slot's share -> [repeat, shuffle] -> decode -> batch."""
+
+    def __init__(self, urls: list[str], *, mode: str, size: int, batch_size: int, rank: int, world: int, n_uq: int,
+                 skipped: np.ndarray, epoch: int = 0, seed: int = 0, weights: tuple[float, float] | None = None,
+                 buffer: int = 2000):  # fmt: skip
+        self.urls, self.mode, self.size, self.batch_size = urls, mode, size, batch_size
+        self.rank, self.world, self.n_uq, self.skipped = rank, world, n_uq, skipped
+        self.epoch, self.seed, self.weights, self.buffer = epoch, seed, weights, buffer
+
+    def _slot(self) -> tuple[int, int]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        return self.rank * nw + wid, self.world * nw
+
+    def _samples(self, urls: list[str]) -> Iterator[dict]:
+        if wds is None:
+            raise ImportError("streaming from shards needs the webdataset package: pip install webdataset")
+        for sample in wds.tariterators.tarfile_samples([{"url": u} for u in urls], handler=_handler):
+            if not all(k in sample for k in ("jpg", "cls", "uq", "lab")):
+                _report(f"skipped incomplete sample {sample.get('__key__')} in {sample.get('__url__')}")
+                continue
+            yield sample
+
+    def _exact(self) -> Iterator[dict]:
+        slot, n_slots = self._slot()
+        if len(self.urls) >= n_slots:
+            yield from self._samples(self.urls[slot::n_slots])
+        else:
+            for s in self._samples(self.urls):
+                if int(s["uq"]) % n_slots == slot:
+                    yield s
+
+    def _epoch(self, epoch: int) -> Iterator[dict]:
+        slot, n_slots = self._slot()
+        rng = np.random.default_rng([self.seed, epoch])  # identical on every rank and worker
+        order = [self.urls[i] for i in rng.permutation(len(self.urls))]
+        local = np.random.default_rng([self.seed, epoch, slot, 1])
+        if len(order) >= n_slots:
+            source = self._samples(order[slot::n_slots])
+        else:
+            owner = rng.permutation(self.n_uq) % n_slots
+            source = (s for s in self._samples(order) if owner[int(s["uq"])] == slot)
+        buf: list[dict] = []
+        for s in source:
+            reps = 1 if self.weights is None else local.poisson(self.weights[int(s["lab"])])
+            for _ in range(reps):
+                if len(buf) < self.buffer:
+                    buf.append(s)
+                    continue
+                i = local.integers(len(buf))
+                buf[i], s = s, buf[i]
+                yield s
+        local.shuffle(buf)
+        yield from buf
+
+    def _decoded(self, samples: Iterator[dict]) -> Iterator[tuple]:
+        for s in samples:
+            try:
+                img = decode_fixed(s["jpg"], self.size)
+            except Exception as exn:
+                _report(f"skipped sample {s.get('__key__')} of {s.get('__url__')}: {type(exn).__name__}: {exn}")
+                continue
+            yield img, int(s["cls"]), int(s["uq"]), int(s["lab"])
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """Full batches, plus one partial batch at the end of the pass (exact) or of every epoch (train)."""
+        if self.mode == "exact":
+            yield from self._batches(self._exact())
+            return
+        epoch, empty = self.epoch, 0
+        while True:  # resampled epochs, until the consumer stops
+            n = 0
+            for batch in self._batches(self._epoch(epoch)):
+                n += len(batch[0])
+                yield batch
+            empty = 0 if n else empty + 1
+            if empty >= 2:
+                raise RuntimeError("the training stream yields no samples: are all shards unreadable?")
+            epoch += 1
+
+    def _batches(self, samples: Iterator[dict]) -> Iterator[tuple]:
+        b, size = self.batch_size, self.size
+        images = torch.empty(b, 3, size, size, dtype=torch.uint8)
+        meta = np.empty((b, 3), np.int64)
+        k = 0
+        for img, cls, uq, lab in self._decoded(samples):
+            images[k].copy_(img)
+            meta[k] = cls, uq, lab
+            k += 1
+            if k == b:
+                yield self._pack(images, meta, k)
+                images = torch.empty(b, 3, size, size, dtype=torch.uint8)
+                k = 0
+        if k:
+            yield self._pack(images, meta, k)
+
+    def _pack(self, images: Tensor, meta: np.ndarray, k: int) -> tuple:
+        uq = meta[:k, 1]
+        if len(self.skipped):
+            uq = uq - np.searchsorted(self.skipped, uq)
+        m = torch.from_numpy(meta[:k].copy())
+        return images[:k], m[:, 0], torch.from_numpy(uq.copy()), m[:, 2].bool()
+
+
+class ShardSource:
+    """`GCDSource` over a shards folder (train split), plus `test_batches` for the test split.
+
+    `n_train` is the number of samples of `split` (for `split="test"`, the test set's size).
+    """
+
+    def __init__(
+        self,
+        shards_dir: str | Path,
+        *,
+        split: str = "train",
+        labelled_share: float | None = None,
+        memory_threshold_mb: float = DEFAULT_MEMORY_THRESHOLD_MB,
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_workers: int = 2,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        sampling: str = "weighted",
+        shuffle_buffer: int = 2000,
+        verify: bool = False,
+    ):
+        self.dir = Path(shards_dir)
+        path = self.dir / "manifest.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: make the shards with `infosieve make-shards` first")
+        self.manifest = json.loads(path.read_text())
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        if sampling not in ("weighted", "shuffle"):
+            raise ValueError(f"sampling must be 'weighted' or 'shuffle', got {sampling!r}")
+        if rank is None or world_size is None:
+            dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+            rank = torch.distributed.get_rank() if dist else 0
+            world_size = torch.distributed.get_world_size() if dist else 1
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.split, self.labelled_share, self.sampling = split, labelled_share, sampling
+        self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
+        self.device = torch.device(device) if device is not None else None
+        self.shuffle_buffer, self.memory_threshold_mb, self.verify = shuffle_buffer, memory_threshold_mb, verify
+        m = self.manifest
+        self.dataset = m["dataset"]
+        self.size = int(m["resize"])
+        self.n_old, self.n_classes = int(m["n_old"]), int(m["n_classes"])
+        info = m["splits"][split]
+        self.records = info["shards"]
+        self.urls = [str(self.dir / r["name"]) for r in self.records]
+        self.n_uq = int(info["n"])  # native index space
+        self.skipped = np.sort(np.asarray([s["uq"] for s in m["skipped"] if s["split"] == split], np.int64))
+        self.n_train = self.n_uq - len(self.skipped)
+        self.n_labelled = m["counts"]["labelled"] - sum(
+            1 for s in m["skipped"] if s["split"] == "train" and s.get("labelled", False)
+        )
+        self.problems = self._check_files()
+        self.decoded_mb = self.n_train * 3 * self.size * self.size / 2**20
+        self.in_memory = self.decoded_mb <= memory_threshold_mb
+        self._mem: dict | None = None
+        self._test: ShardSource | None = None
+
+    # ---- checks ------------------------------------------------------------------------------------------------------
+
+    def _check_files(self) -> list[str]:
+        problems = []
+        for rec, url in zip(self.records, self.urls, strict=True):
+            p = Path(url)
+            if not p.is_file():
+                problems.append(f"shard {p} is missing: its {rec['written']} samples are skipped")
+            elif p.stat().st_size != rec["bytes"]:
+                problems.append(
+                    f"shard {p} has {p.stat().st_size:,} bytes, the manifest says {rec['bytes']:,}: truncated or "
+                    "damaged; its unreadable samples are skipped (re-run make-shards on this folder to repair it)"
+                )
+            elif self.verify:
+                from .shards import _sha256
+
+                if _sha256(p) != rec["sha256"]:
+                    problems.append(f"shard {p} does not match its sha256 in the manifest: damaged")
+        for msg in problems:
+            _report(msg)
+        return problems
+
+    # ---- pipelines ---------------------------------------------------------------------------------------------------
+
+    def _loader(self, stream: _Stream) -> Iterator[tuple]:
+        if self.num_workers <= 0:
+            yield from stream
+            return
+        pin = self.device is not None and self.device.type == "cuda"
+        loader = DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=pin, prefetch_factor=2)
+        yield from loader
+
+    def _exact_stream(self, batch_size: int, rank: int, world: int) -> _Stream:
+        return _Stream(self.urls, mode="exact", size=self.size, batch_size=batch_size, rank=rank, world=world,
+                       n_uq=self.n_uq, skipped=self.skipped)  # fmt: skip
+
+    def _to_batch(self, parts: tuple) -> Batch:
+        images, targets, uq, lab = parts
+        batch = Batch(images, targets.long(), uq.long(), lab.bool())
+        if self.device is not None:
+            batch = batch.to(self.device, non_blocking=True)
+        return batch
+
+    def _exact_batches(self, batch_size: int) -> Iterator[Batch]:
+        """Every sample of this rank's share once: full worker batches pass through, the workers' tails are merged."""
+        n = 0
+        for batch in self._full_batches(self._loader(self._exact_stream(batch_size, self.rank, self.world_size)),
+                                        batch_size, None):  # fmt: skip
+            n += len(batch.uq)
+            yield batch
+        expected = self._expected_exact()
+        if n != expected:
+            _report(f"{self.dir} ({self.split}, rank {self.rank}): {n} samples read, {expected} expected")
+
+    def _expected_exact(self) -> int:
+        n_slots = self.world_size * max(self.num_workers, 1)
+        nw = max(self.num_workers, 1)
+        if len(self.urls) >= n_slots:
+            mine = [r for i, r in enumerate(self.records) if (i % n_slots) // nw == self.rank]
+            return sum(r["written"] for r in mine)
+        uq = np.setdiff1d(np.arange(self.n_uq), self.skipped)
+        return int(((uq % n_slots) // nw == self.rank).sum())
+
+    # ---- GCDSource -----------------------------------------------------------------------------------------------------
+
+    def feature_batches(self, batch_size: int) -> Iterator[Batch]:
+        """Every sample of the split exactly once across ranks (this rank's share), fixed order, no augmentation."""
+        if self.in_memory:
+            yield from self._memory_exact(batch_size)
+        else:
+            yield from self._exact_batches(batch_size)
+
+    def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
+        """One epoch: `n_train // (batch_size * world_size)` full batches on every rank."""
+        if self.split != "train":
+            raise ValueError("train_batches needs split='train'")
+        n_batches = self.n_train // (batch_size * self.world_size)
+        if n_batches == 0:
+            raise ValueError(f"{self.n_train} samples are fewer than one batch of {batch_size} x {self.world_size}")
+        if self.in_memory:
+            yield from self._memory_train(batch_size, epoch, seed, n_batches)
+            return
+        weights = None
+        if self.sampling == "weighted":
+            p = self.n_labelled / self.n_train
+            share = self.labelled_share
+            if share is None:
+                share = reference_labelled_share(self.n_labelled, self.n_train - self.n_labelled)
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"labelled share must be in [0, 1] (or None for the reference's), got {share}")
+            if (share > 0 and p == 0) or (share < 1 and p == 1):
+                raise ValueError(f"labelled share {share} needs both labelled and unlabelled samples")
+            weights = ((1 - share) / (1 - p) if p < 1 else 0.0, share / p if p > 0 else 0.0)  # index by lab
+        stream = _Stream(
+            self.urls, mode="train", size=self.size, batch_size=batch_size, rank=self.rank, world=self.world_size,
+            n_uq=self.n_uq, skipped=self.skipped, epoch=epoch, seed=self.seed * 1_000_003 + seed, weights=weights,
+            buffer=self.shuffle_buffer,
+        )  # fmt: skip
+        yield from self._full_batches(self._loader(stream), batch_size, n_batches)
+
+    def _full_batches(self, parts_iter: Iterator[tuple], batch_size: int, limit: int | None) -> Iterator[Batch]:
+        """Workers' full batches pass through; their partial ones (end of a pass or epoch) are merged.
+
+        `limit=None`: a finite exact pass, whose last batch may be partial. Otherwise stop after `limit` batches.
+        """
+        tails: list[tuple] = []
+        n_tail, count = 0, 0
+        for parts in parts_iter:
+            if len(parts[0]) == batch_size:
+                out = [parts]
+            else:
+                tails.append(parts)
+                n_tail += len(parts[0])
+                out = []
+                if n_tail >= batch_size:
+                    merged = [torch.cat([t[i] for t in tails]) for i in range(4)]
+                    out = [tuple(x[:batch_size] for x in merged)]
+                    rest = tuple(x[batch_size:] for x in merged)
+                    tails, n_tail = ([rest], len(rest[0])) if len(rest[0]) else ([], 0)
+            for p in out:
+                yield self._to_batch(p)
+                count += 1
+                if limit is not None and count >= limit:
+                    return
+        if limit is None and tails:
+            merged = [torch.cat([t[i] for t in tails]) for i in range(4)]
+            for start in range(0, len(merged[0]), batch_size):
+                yield self._to_batch(tuple(x[start : start + batch_size] for x in merged))
+
+    def test_batches(self, batch_size: int) -> Iterator[Batch]:
+        """The test split, every sample once across ranks (this rank's share), in a fixed order."""
+        if self.split == "test":
+            yield from self.feature_batches(batch_size)
+            return
+        if self._test is None:
+            self._test = ShardSource(
+                self.dir, split="test", memory_threshold_mb=self.memory_threshold_mb, rank=self.rank,
+                world_size=self.world_size, num_workers=self.num_workers, seed=self.seed, device=self.device,
+            )  # fmt: skip
+        yield from self._test.test_batches(batch_size)
+
+    # ---- in-memory path ------------------------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Decode the whole split once into memory (done on first use; call it to pay the cost up front)."""
+        if self._mem is not None:
+            return
+        n, s = self.n_train, self.size
+        dev = self.device if self.device is not None else torch.device("cpu")
+        images = torch.empty(n, 3, s, s, dtype=torch.uint8, device=dev)
+        targets = torch.full((n,), -1, dtype=torch.long)
+        labelled = torch.zeros(n, dtype=torch.bool)
+        present = torch.zeros(n, dtype=torch.bool)
+        for imgs, cls, uq, lab in self._loader(self._exact_stream(256, 0, 1)):
+            images[uq.to(dev)] = imgs.to(dev, non_blocking=True)
+            targets[uq], labelled[uq], present[uq] = cls, lab, True
+        missing = int((~present).sum())
+        if missing:
+            _report(f"{self.dir} ({self.split}): {missing} of {n} samples could not be read and are left out")
+        idx = torch.nonzero(present).flatten()
+        self._mem = {"images": images, "targets": targets, "labelled": labelled, "present": idx}
+
+    def _memory_batch(self, idx: Tensor) -> Batch:
+        m = self._mem
+        assert m is not None
+        dev = m["images"].device
+        return Batch(m["images"][idx.to(dev)], m["targets"][idx].to(dev), idx.to(dev), m["labelled"][idx].to(dev))
+
+    def _memory_exact(self, batch_size: int) -> Iterator[Batch]:
+        self.load()
+        mine = self._mem["present"][self.rank :: self.world_size]
+        for start in range(0, len(mine), batch_size):
+            yield self._memory_batch(mine[start : start + batch_size])
+
+    def _memory_train(self, batch_size: int, epoch: int, seed: int, n_batches: int) -> Iterator[Batch]:
+        self.load()
+        present = self._mem["present"]
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + seed) * 100_003 + epoch)
+        if self.sampling == "weighted":
+            pos = sample_epoch(self._mem["labelled"][present], len(present), self.labelled_share, gen)
+        else:
+            pos = torch.randperm(len(present), generator=gen)
+        order = present[pos]
+        step = batch_size * self.world_size
+        for b in range(n_batches):
+            start = b * step + self.rank * batch_size
+            yield self._memory_batch(order[start : start + batch_size])
