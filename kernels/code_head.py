@@ -4,9 +4,10 @@
 `kernels.reference.code_head`, forward and backward, with three small kernels:
 
 - forward (`_fwd_kernel`): program p owns a contiguous run of `tiles_per_prog` row tiles of [BLOCK_N, BLOCK_L]
-  (BLOCK_L = next_pow2(L), BLOCK_N * BLOCK_L ~ 4096 elements). It reads each input element once, writes the four
+  (BLOCK_L = next_pow2(L), BLOCK_N * BLOCK_L ~ 2048 elements). It reads each input element once, writes the four
   [N, L] outputs once, and keeps per-column running sums (sum_i z, sum_i (1 - z^2), sum_i (m (1 - m))^2, sum_i m) in
-  registers. At most `8 x SMs` programs run, so for N = 1M, L = 40 each program covers 16 tiles.
+  registers (per element, reduced once at the end). At most `8 x SMs` programs run, so for N = 1M, L = 40 each
+  program covers 32 tiles.
 - finalize (`_finalize_kernel`, one program): sums the programs' partial rows [P, BLOCK_L + 4] in a fixed order (a
   deterministic two-stage reduction: no atomics) and writes the column means (kept for the backward) and the three
   scalar terms. When one program covers the whole batch (small N, e.g. the training shape N = 256) the forward kernel
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import struct
 import sys
 import types
 from contextlib import contextmanager
@@ -44,7 +46,7 @@ __all__ = ["CodeHead", "code_head", "launch_config", "make_inputs"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_L = 4096  # register tiles hold a whole row; the InfoSieve code length is 40 (the issue asks for up to 256)
-TILE_ELEMENTS = 4096  # BLOCK_N * BLOCK_L per tile
+TILE_ELEMENTS = 2048  # BLOCK_N * BLOCK_L per tile (H200 sweep at N = 1M, L = 40: 2048 beat 4096 and 8192)
 SINGLE_PROGRAM_ELEMENTS = 32768  # at most this many (padded) elements: one forward program, no finalize launch
 PROGRAMS_PER_SM = 8
 
@@ -188,10 +190,11 @@ def _fwd_kernel(
     pid = tl.program_id(0)
     age, shift, cols, col_ok, w, inv_w = _prologue(age_hi, age_lo, c_hi, c_lo, w_ptr, lw_ptr, L, BLOCK_L, CT)
 
-    acc_z = tl.zeros([BLOCK_L], dtype=CT)
-    acc_omz2 = tl.zeros([BLOCK_L], dtype=CT)
-    acc_mm = tl.zeros([BLOCK_L], dtype=CT)
-    acc_m = tl.zeros([BLOCK_L], dtype=CT)
+    # running sums kept per element and reduced once at the end: no cross-warp reduction inside the loop
+    acc_z = tl.zeros([BLOCK_N, BLOCK_L], dtype=CT)
+    acc_omz2 = tl.zeros([BLOCK_N, BLOCK_L], dtype=CT)
+    acc_mm = tl.zeros([BLOCK_N, BLOCK_L], dtype=CT)
+    acc_len = tl.zeros([BLOCK_N, BLOCK_L], dtype=CT)
     first_row = pid.to(tl.int64) * tiles_per_prog * BLOCK_N
     for t in range(0, tiles_per_prog):
         rows = first_row + t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -208,19 +211,20 @@ def _fwd_kernel(
         tl.store(code_ptr + out, code.to(OT), mask=ok)
         tl.store(trunc_ptr + out, trunc.to(OT), mask=ok)
         q = m * om
-        acc_z += tl.sum(tl.where(ok, z, 0.0), axis=0)
-        acc_omz2 += tl.sum(tl.where(ok, omz2, 0.0), axis=0)
-        acc_mm += tl.sum(tl.where(ok, q * q, 0.0), axis=0)
-        acc_m += tl.sum(tl.where(ok, m, 0.0), axis=0)
+        acc_z += tl.where(ok, z, 0.0)
+        acc_omz2 += tl.where(ok, omz2, 0.0)
+        acc_mm += tl.where(ok, q * q, 0.0)
+        acc_len += tl.where(ok, m * inv_w[None, :], 0.0)
 
-    s_omz2 = tl.sum(acc_omz2, axis=0)
-    s_mm = tl.sum(acc_mm, axis=0)
-    s_len = tl.sum(acc_m * inv_w, axis=0)
+    colsum_z = tl.sum(acc_z, axis=0)
+    s_omz2 = tl.sum(tl.sum(acc_omz2, axis=1), axis=0)
+    s_mm = tl.sum(tl.sum(acc_mm, axis=1), axis=0)
+    s_len = tl.sum(tl.sum(acc_len, axis=1), axis=0)
     if FINAL:
-        _finish(acc_z, s_omz2, s_mm, s_len, inv_w, cols, col_ok, N, mean_ptr, cc_ptr, mc_ptr, len_ptr, L)
+        _finish(colsum_z, s_omz2, s_mm, s_len, inv_w, cols, col_ok, N, mean_ptr, cc_ptr, mc_ptr, len_ptr, L)
     else:
         row = part_ptr + pid.to(tl.int64) * (BLOCK_L + 4)
-        tl.store(row + cols, acc_z)
+        tl.store(row + cols, colsum_z)
         tl.store(row + BLOCK_L, s_omz2)
         tl.store(row + BLOCK_L + 1, s_mm)
         tl.store(row + BLOCK_L + 2, s_len)
@@ -377,10 +381,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _to_f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
 def _split(value: float) -> tuple[float, float]:
     """A double as an fp32 hi/lo pair: hi + lo equals `value` to ~2^-48 relative."""
-    hi = float(torch.tensor(value, dtype=torch.float32))
-    return hi, float(torch.tensor(value - hi, dtype=torch.float32))
+    hi = _to_f32(value)
+    return hi, _to_f32(value - hi)
+
+
+def _scalars(age: float) -> tuple[float, float, float, float]:
+    """(age_hi, age_lo, c_hi, c_lo) with c = 1/(age + 1): the kernels' fp32 scalar arguments."""
+    return (*_split(age), *_split(1.0 / (age + 1.0)))
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -400,6 +413,18 @@ def _max_programs(device: torch.device) -> int:
 def launch_config(n: int, length: int, device: torch.device | str = "cuda") -> dict[str, int]:
     """Block sizes and grids the kernels use for an [n, length] batch (for benchmarks and tests)."""
     device = torch.device(device)
+    key = (n, length, str(device), TILE_ELEMENTS, SINGLE_PROGRAM_ELEMENTS, PROGRAMS_PER_SM, *_TUNING.values())
+    if key not in _CONFIGS:
+        if len(_CONFIGS) > 4096:
+            _CONFIGS.clear()
+        _CONFIGS[key] = _launch_config(n, length, device)
+    return dict(_CONFIGS[key])
+
+
+_CONFIGS: dict[tuple, dict[str, int]] = {}
+
+
+def _launch_config(n: int, length: int, device: torch.device) -> dict[str, int]:
     block_l = triton.next_power_of_2(length)
     block_n = _TUNING["block_n"] or min(triton.next_power_of_2(n), max(1, TILE_ELEMENTS // block_l))
     tiles = triton.cdiv(n, block_n)
@@ -417,7 +442,7 @@ def launch_config(n: int, length: int, device: torch.device | str = "cuda") -> d
         "block_p": _TUNING["block_p"] or max(1, min(triton.next_power_of_2(programs), TILE_ELEMENTS // block_l)),
         "bwd_programs": tiles,
         "num_warps": _TUNING["num_warps"]
-        or (4 if block_n * block_l >= 2048 else (2 if block_n * block_l >= 512 else 1)),
+        or (4 if block_n * block_l >= 1024 else (2 if block_n * block_l >= 256 else 1)),
     }
 
 
@@ -484,8 +509,7 @@ def _forward(x: Tensor, y: Tensor, age: float, w: Tensor, lw: Tensor):
     cc, mc, ln = (_new_buffer((), dtype=ct, device=x.device) for _ in range(3))
     programs, final = cfg["fwd_programs"], cfg["finalize"] == 0
     part = colmean if final else _new_buffer((programs, cfg["block_l"] + 4), dtype=ct, device=x.device)
-    age_hi, age_lo = _split(age)
-    c_hi, c_lo = _split(1.0 / (age + 1.0))
+    age_hi, age_lo, c_hi, c_lo = _scalars(age)
     _fwd_kernel[(programs,)](
         x, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), w, lw,
         raw, mask, code, trunc, part, colmean, cc, mc, ln,
@@ -521,8 +545,7 @@ def _backward(x, y, age, w, lw, colmean, grads, need_dx, need_dy):
         return colmean if g is None else g.reshape(())
 
     gr, gm, gc, gt = (tensor_arg(g) for g in (g_raw, g_mask, g_code, g_trunc))
-    age_hi, age_lo = _split(age)
-    c_hi, c_lo = _split(1.0 / (age + 1.0))
+    age_hi, age_lo, c_hi, c_lo = _scalars(age)
     _bwd_kernel[(cfg["bwd_programs"],)](
         x, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), w.contiguous(), lw.contiguous(), colmean,
         gr[0], gr[1], gr[2], gm[0], gm[1], gm[2], gc[0], gc[1], gc[2], gt[0], gt[1], gt[2],
