@@ -1,4 +1,4 @@
-"""make-shards: round trips of the two real folders, corrupt inputs, truncated shards, resume after a kill, no-op reruns.
+"""make-shards: round trips of the two real folders, corrupt inputs, truncated shards, resume after kill, no-op rerun.
 
 Round trips: `cifar10_test` (ImageFolder layout, 10,000 images) and `cub100` (CUB-style files, 5,902 images) are
 sharded in full; every sample's label and uq is compared with the source, and the decoded image with the source after

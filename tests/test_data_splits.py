@@ -48,7 +48,7 @@ def _check_split(raw) -> None:
     assert not labelled[targets >= len(raw.known)].any()
 
 
-# ---- class lists and the split recipe ----------------------------------------------------------------------------------
+# ---- class lists and the split recipe --------------------------------------------------------------------------
 
 
 def test_class_lists_partition_and_pin():
@@ -100,7 +100,7 @@ def test_check_counts_against_reference_table():
     assert check_counts("cub", {"train": 5994, "labelled": 1498, "unlabelled": 4496, "test": 5794}) == []
 
 
-# ---- native-layout readers ----------------------------------------------------------------------------------------------
+# ---- native-layout readers -------------------------------------------------------------------------------------
 
 
 def _cifar_pickles(realdata: Path, folder: Path, files: dict[str, int], n_classes: int, label_key: str) -> dict:

@@ -1,4 +1,4 @@
-"""ShardSource: exactly-once passes across 2 simulated ranks x 2 workers, training epochs, labelled share, both paths."""
+"""ShardSource: exactly-once passes over 2 simulated ranks x 2 workers, training epochs, labelled share, both paths."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def shards(realdata, tmp_path_factory) -> dict[str, Path]:
     """The same small real dataset written as many small shards and as a single shard (stored at 64 px: fast)."""
     base = tmp_path_factory.mktemp("stream")
     src = realdata / "cifar10_test" / "test"
-    for c, cls in enumerate(sorted(os.listdir(src))[:N_CLASSES]):
+    for cls in sorted(os.listdir(src))[:N_CLASSES]:
         files = sorted(os.listdir(src / cls))
         for i, f in enumerate(files[: N_PER_CLASS + 10]):
             dst = base / "raw" / ("test" if i >= N_PER_CLASS else "train") / cls / f

@@ -10,7 +10,7 @@ in remapping order. Nothing is decoded here; `shards.py` decodes and resizes.
 | cifar100      | `cifar-100-python/{train,test,meta}` (fine labels), or that folder                                 |
 | imagenet100   | `train/<wnid>/*.JPEG` (all 1000 class folders) and `val/<wnid>/*.JPEG` (val sorted into folders)   |
 | cub           | `CUB_200_2011/{images.txt,image_class_labels.txt,train_test_split.txt,classes.txt,images/}`        |
-| scars         | devkit: `devkit/cars_{train,meta}_annos.mat`, `cars_test_annos_withlabels.mat`, `cars_{train,test}/`; |
+| scars         | `devkit/cars_{train,meta}_annos.mat`, `cars_test_annos_withlabels.mat`, `cars_{train,test}/`;     |
 |               | or the combined `cars_annos.mat` + `car_ims/`                                                     |
 | aircraft      | `fgvc-aircraft-2013b/data/{images_variant_trainval.txt,images_variant_test.txt,images/}`           |
 | pets          | `annotations/{trainval,test}.txt`, `images/*.jpg`                                                  |
@@ -101,7 +101,7 @@ def read_dataset(dataset: str, root: str | Path, known_classes: list[int] | None
     return raw
 
 
-# ---- helpers -------------------------------------------------------------------------------------------------------
+# ---- helpers ---------------------------------------------------------------------------------------------------
 
 
 def _need(path: Path, what: str) -> Path:
@@ -155,7 +155,7 @@ def _read_id_file(path: Path) -> list[tuple[str, str]]:
     return rows
 
 
-# ---- CIFAR -----------------------------------------------------------------------------------------------------------
+# ---- CIFAR -----------------------------------------------------------------------------------------------------
 
 
 def _unpickle(path: Path) -> dict:
@@ -206,7 +206,7 @@ def _cifar(root: Path, dataset: str) -> RawDataset:
     )  # fmt: skip
 
 
-# ---- ImageNet-100 ----------------------------------------------------------------------------------------------------
+# ---- ImageNet-100 ----------------------------------------------------------------------------------------------
 
 
 def _imagenet100(root: Path) -> RawDataset:
@@ -231,7 +231,7 @@ def _imagenet100(root: Path) -> RawDataset:
     )  # fmt: skip
 
 
-# ---- CUB and CUB-style files ---------------------------------------------------------------------------------------
+# ---- CUB and CUB-style files -----------------------------------------------------------------------------------
 
 
 def _cub_tables(root: Path) -> tuple[Path, list[str], list[str], list[int], list[str], dict[str, int]]:
@@ -286,7 +286,7 @@ def _cubfiles(root: Path) -> RawDataset:
     )  # fmt: skip
 
 
-# ---- Stanford Cars ---------------------------------------------------------------------------------------------------
+# ---- Stanford Cars ---------------------------------------------------------------------------------------------
 
 
 def _mat_annotations(path: Path) -> list:
@@ -341,7 +341,7 @@ def _scars(root: Path) -> RawDataset:
     )  # fmt: skip
 
 
-# ---- FGVC-Aircraft ---------------------------------------------------------------------------------------------------
+# ---- FGVC-Aircraft ---------------------------------------------------------------------------------------------
 
 
 def _aircraft(root: Path) -> RawDataset:
@@ -377,7 +377,7 @@ def _aircraft(root: Path) -> RawDataset:
     )
 
 
-# ---- Oxford-IIIT Pets ------------------------------------------------------------------------------------------------
+# ---- Oxford-IIIT Pets ------------------------------------------------------------------------------------------
 
 
 def _pets(root: Path) -> RawDataset:
@@ -402,7 +402,7 @@ def _pets(root: Path) -> RawDataset:
     return RawDataset("pets", root, class_names, list(split.known), list(split.novel), *train, *test)
 
 
-# ---- Herbarium 2019 --------------------------------------------------------------------------------------------------
+# ---- Herbarium 2019 --------------------------------------------------------------------------------------------
 
 
 def _herbarium19(root: Path) -> RawDataset:
@@ -427,7 +427,7 @@ def _herbarium19(root: Path) -> RawDataset:
     )  # fmt: skip
 
 
-# ---- generic ImageFolder ---------------------------------------------------------------------------------------------
+# ---- generic ImageFolder ---------------------------------------------------------------------------------------
 
 
 def _imagefolder(root: Path) -> RawDataset:

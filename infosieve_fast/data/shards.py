@@ -46,11 +46,11 @@ class ShardsError(RuntimeError):
     """The output folder cannot be used (another dataset, other settings)."""
 
 
-# ---- image processing (runs in worker processes) -------------------------------------------------------------------
+# ---- image processing (runs in worker processes) ---------------------------------------------------------------
 
 
 def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
-    """torchvision's `Resize(size)` output (w, h): the shorter side becomes `size`, the longer `int(size*long/short)`."""
+    """torchvision's `Resize(size)` output (w, h): shorter side `size`, longer side `int(size * long / short)`."""
     if width <= height:
         return size, int(size * height / width)
     return int(size * width / height), size
@@ -89,7 +89,7 @@ def _encode_job(job: tuple) -> tuple[int, bytes | None, str | None]:
         return pos, None, f"{type(exn).__name__}: {exn}"
 
 
-# ---- tar writing -----------------------------------------------------------------------------------------------------
+# ---- tar writing -----------------------------------------------------------------------------------------------
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -186,7 +186,7 @@ def _write_one(
     }  # fmt: skip
 
 
-# ---- the command -----------------------------------------------------------------------------------------------------
+# ---- the command -----------------------------------------------------------------------------------------------
 
 
 def _plans(raw: RawDataset) -> tuple[_Plan, _Plan, dict]:
@@ -302,7 +302,7 @@ def make_shards(
     progress: bool = True,
     jpeg_quality: int = JPEG_QUALITY,
 ) -> dict:
-    """Write `dataset` (native layout under `root`) as shards into `out`; returns the manifest (also `manifest.json`)."""
+    """Write `dataset` (native layout under `root`) as shards into `out`; returns the manifest (`manifest.json`)."""
     dataset = canonical_name(dataset)
     out = Path(out)
     raw = read_dataset(dataset, root, known_classes)
@@ -404,7 +404,7 @@ def make_shards(
     return manifest
 
 
-# ---- CLI -------------------------------------------------------------------------------------------------------------
+# ---- CLI -------------------------------------------------------------------------------------------------------
 
 
 def parse_class_list(text: str) -> list[int]:

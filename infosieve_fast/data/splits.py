@@ -76,7 +76,7 @@ def split_counts(labelled: np.ndarray, targets: np.ndarray, n_old: int, n_test: 
     return out
 
 
-# ---- class lists, 0-based native class ids, in the order the reference code uses (REFERENCE.md §7) ----------------
+# ---- class lists, 0-based native class ids, in the order the reference code uses (REFERENCE.md §7) -------------
 # Generated from REFERENCE.md §7; `tests/test_data_splits.py` pins their content.
 
 CUB_KNOWN = (
@@ -1035,7 +1035,7 @@ HERBARIUM19_OLD = (
 
 
 def imagenet100_choice(seed: int = 0) -> list[int]:
-    """The reference's ImageNet-100 classes: `np.random.seed(0); np.sort(np.random.choice(1000, 100, replace=False))`."""
+    """The reference's ImageNet-100 classes: `np.random.seed(0); sort(choice(1000, 100, replace=False))`."""
     return np.sort(np.random.RandomState(seed).choice(range(1000), size=(100,), replace=False)).tolist()
 
 

@@ -99,7 +99,7 @@ def decode_fixed(data: bytes, size: int) -> Tensor:
 
 
 class _Stream(IterableDataset):
-    """Per-worker pipeline: shards -> samples (webdataset) -> this slot's share -> [repeat, shuffle] -> decode -> batch."""
+    """Per-worker pipeline: shards -> samples (webdataset) -> this slot's share -> [repeat, shuffle] -> decode."""
 
     def __init__(self, urls: list[str], *, mode: str, size: int, batch_size: int, rank: int, world: int, n_uq: int,
                  skipped: np.ndarray, epoch: int = 0, seed: int = 0, weights: tuple[float, float] | None = None,
@@ -263,7 +263,7 @@ class ShardSource:
         self._mem: dict | None = None
         self._test: ShardSource | None = None
 
-    # ---- checks ------------------------------------------------------------------------------------------------------
+    # ---- checks -------------------------------------------------------------------------------------------------
 
     def _check_files(self) -> list[str]:
         problems = []
@@ -285,7 +285,7 @@ class ShardSource:
             _report(msg)
         return problems
 
-    # ---- pipelines ---------------------------------------------------------------------------------------------------
+    # ---- pipelines ----------------------------------------------------------------------------------------------
 
     def _loader(self, stream: _Stream) -> Iterator[tuple]:
         if self.num_workers <= 0:
@@ -326,7 +326,7 @@ class ShardSource:
         uq = np.setdiff1d(np.arange(self.n_uq), self.skipped)
         return int(((uq % n_slots) // nw == self.rank).sum())
 
-    # ---- GCDSource -----------------------------------------------------------------------------------------------------
+    # ---- GCDSource ----------------------------------------------------------------------------------------------
 
     def feature_batches(self, batch_size: int) -> Iterator[Batch]:
         """Every sample of the split exactly once across ranks (this rank's share), fixed order, no augmentation."""
@@ -404,7 +404,7 @@ class ShardSource:
             )  # fmt: skip
         yield from self._test.test_batches(batch_size)
 
-    # ---- in-memory path ------------------------------------------------------------------------------------------------
+    # ---- in-memory path -----------------------------------------------------------------------------------------
 
     def load(self) -> None:
         """Decode the whole split once into memory (done on first use; call it to pay the cost up front)."""

@@ -1,0 +1,176 @@
+"""Two-view training batches per second: the reference's loader against shards (streaming and in memory).
+
+    python benchmarks/bench_loader.py --data ../shared/realdata/cub100 --json OUT.json
+
+A *view* is one augmented 224x224 image delivered as part of a normalised float32 batch, as the trainer consumes it.
+- reference: an ImageFolder-style dataset over the JPEG files; per view PIL `Resize(256)` (bicubic) / `RandomCrop(224)`
+  / `RandomHorizontalFlip` / `ColorJitter()` (a no-op, as in the reference) / `ToTensor` / `Normalize`; two views per
+  image; DataLoader with `--workers` workers, batch `--batch-size`, shuffled, drop_last.
+- stream: `ShardSource` streaming (threshold 0) with `--workers` decode workers; `DeviceAugment` makes the two views
+  from each decoded uint8 batch in the main process (here on the CPU: "the device").
+- memory: `ShardSource` in memory (decoded once, time reported apart as `memory_decode_s`), same augmentation.
+Each pipeline runs `--warmup` batches untimed, then `--batches` timed ones. The main process runs with
+`torch.set_num_threads(--threads)` for all three. The shards are written once into `--shards` (reused when complete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from infosieve_fast.data.augment import AugmentConfig, DeviceAugment  # noqa: E402
+from infosieve_fast.data.layouts import read_dataset  # noqa: E402
+from infosieve_fast.data.shards import make_shards  # noqa: E402
+from infosieve_fast.data.stream import ShardSource  # noqa: E402
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class ReferenceDataset(torch.utils.data.Dataset):
+    """What the reference does: load the file, apply the full train transform twice."""
+
+    def __init__(self, paths: list[str], labels: list[int]):
+        from torchvision import transforms as T
+
+        self.paths, self.labels = paths, labels
+        self.transform = T.Compose(
+            [
+                T.Resize(256, interpolation=T.InterpolationMode.BICUBIC),
+                T.RandomCrop(224),
+                T.RandomHorizontalFlip(),
+                T.ColorJitter(),
+                T.ToTensor(),
+                T.Normalize(MEAN, STD),
+            ]
+        )
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        with Image.open(self.paths[i]) as im:
+            img = im.convert("RGB")
+        return torch.stack([self.transform(img), self.transform(img)]), self.labels[i], i
+
+
+def _timed(batches, warmup: int, n: int, views_of) -> tuple[float, int]:
+    it = iter(batches)
+    for _ in range(warmup):
+        views_of(next(it))
+    t0, views = time.perf_counter(), 0
+    for _ in range(n):
+        views += views_of(next(it))
+    return time.perf_counter() - t0, views
+
+
+def bench_reference(data: Path, args) -> float:
+    raw = read_dataset("cubfiles", data)
+    ds = ReferenceDataset(raw.train, raw.train_labels.tolist())
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True, persistent_workers=True
+    )
+
+    def views_of(batch) -> int:
+        x = batch[0].flatten(0, 1)  # [B*2, 3, 224, 224]
+        assert x.dtype == torch.float32 and x.shape[-1] == 224
+        return x.shape[0]
+
+    def forever():
+        while True:
+            yield from loader
+
+    dt, views = _timed(forever(), args.warmup, args.batches, views_of)
+    return views / dt
+
+
+def bench_shards(shards: Path, args, memory: bool) -> tuple[float, float]:
+    src = ShardSource(shards, memory_threshold_mb=1e12 if memory else 0, num_workers=args.workers)
+    decode_s = 0.0
+    if memory:
+        t0 = time.perf_counter()
+        src.load()
+        decode_s = time.perf_counter() - t0
+    aug = DeviceAugment(AugmentConfig())
+    gen = torch.Generator().manual_seed(0)
+
+    def forever():
+        epoch = 0
+        while True:
+            yield from src.train_batches(args.batch_size, epoch, 0)
+            epoch += 1
+
+    def views_of(batch) -> int:
+        views = aug.train_views(batch.images, 2, gen)
+        assert views.dtype == torch.float32 and views.shape[-1] == 224
+        return views.shape[0]
+
+    dt, views = _timed(forever(), args.warmup, args.batches, views_of)
+    return views / dt, decode_s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", required=True, help="a CUB-style folder (cub100)")
+    p.add_argument("--json", required=True, help="where to write the results")
+    p.add_argument("--shards", default=None, help="shards folder (default: a folder under the temp dir, reused)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batches", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    data = Path(args.data).resolve()
+    shards = Path(args.shards) if args.shards else Path(tempfile.gettempdir()) / "infosieve-bench-shards-cub100"
+    load_start = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    make_shards("cubfiles", data, shards, workers=args.workers, progress=False)
+    make_s = time.perf_counter() - t0
+    ref = bench_reference(data, args)
+    stream, _ = bench_shards(shards, args, memory=False)
+    memory, decode_s = bench_shards(shards, args, memory=True)
+    result = {
+        "reference": round(ref, 1),
+        "stream": round(stream, 1),
+        "memory": round(memory, 1),
+        "stream_vs_reference": round(stream / ref, 2),
+        "memory_vs_reference": round(memory / ref, 2),
+        "targets": {"stream_vs_reference": 3.0, "memory_vs_reference": 10.0},
+        "unit": "views/s (one view = one augmented 224x224 normalised float32 image; 2 views per image)",
+        "make_shards_s": round(make_s, 1),
+        "memory_decode_s": round(decode_s, 1),
+        "settings": {
+            "data": str(data),
+            "batch_size": args.batch_size,
+            "batches": args.batches,
+            "warmup": args.warmup,
+            "workers": args.workers,
+            "main_threads": args.threads,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": round(load_start, 2),
+            "loadavg_at_end": round(os.getloadavg()[0], 2),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
