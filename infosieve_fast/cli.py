@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from . import config as config_mod
+from .data import shards
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -29,7 +30,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.data_shards:
         overrides.append(f"data.shards={args.data_shards}")
     cfg = config_mod.load_config(args.config, overrides)
-    run_dir = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{stamp}"
     print(f"run folder: {run_dir}")
     train(cfg, run_dir)
     return 0
@@ -44,10 +46,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _make_shards(args: argparse.Namespace) -> int:
-    from .data import shards
-
-    shards.run_cli(args)
-    return 0
+    return shards.run_cli(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,12 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("make-shards", help="write a dataset's GCD split as WebDataset shards")
-    try:
-        from .data import shards
-    except ImportError:  # the data layer is optional at import time: report it only when the command is used
-        shards = None
-    if shards is not None:
-        shards.add_cli_arguments(p)
+    shards.add_cli_arguments(p)
     p.set_defaults(func=_make_shards)
     return parser
 

@@ -78,3 +78,26 @@ def test_non_finite_loss_stops_with_step_terms_and_hint(tmp_path):
 def test_cli_reports_config_errors(tmp_path, capsys):
     assert cli.main(["train", "--config", "configs/demo.yaml", "--set", "optim.lr=x", "--out", str(tmp_path / "r")]) == 2
     assert "optim.lr must be float" in capsys.readouterr().err
+
+
+def test_training_runs_from_shards(tmp_path, realdata):
+    from infosieve_fast.data.shards import make_shards
+
+    raw = tmp_path / "raw"
+    for cls in ("airplane", "automobile", "bird", "cat"):
+        (raw / cls).mkdir(parents=True)
+        for src in sorted((realdata / "cifar10_test" / "test" / cls).glob("*.jpg"))[:24]:
+            (raw / cls / src.name).symlink_to(src)
+    manifest = make_shards("imagefolder", raw, tmp_path / "shards", resize=40, known_classes=[0, 1], progress=False)
+    assert (manifest["n_old"], manifest["n_classes"]) == (2, 4)
+    cfg = load_config(
+        "configs/demo.yaml",
+        SMOKE[:1] + SMOKE[2:] + [
+            "data.source=shards", f"data.shards={tmp_path / 'shards'}", "data.batch_size=32", "data.num_workers=0",
+            "model.backbone_kwargs={in_chans: 3}", "data.mean=[0.5, 0.5, 0.5]", "data.std=[0.25, 0.25, 0.25]",
+        ],
+    )  # fmt: skip
+    metrics = train(cfg, tmp_path / "run")
+    log = read_log(tmp_path / "run" / "log.jsonl")
+    assert [r["steps"] for r in log] == [3, 3]  # 96 samples // 32
+    assert all(0 <= metrics[s]["all"] <= 1 for s in ("before", "after"))
