@@ -68,6 +68,6 @@ def all_gather_cat(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
-    gathered = torch.cat([p[:s] for p, s in zip(parts, sizes_l)], dim=0)
+    gathered = torch.cat([p[:s] for p, s in zip(parts, sizes_l, strict=True)], dim=0)
     rank = get_rank()
     return gathered, sum(sizes_l[:rank])

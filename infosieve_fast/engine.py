@@ -91,7 +91,11 @@ class Trainer:
         feats = targets = labelled = None
         for batch in self.source.feature_batches(self.cfg.data.feature_batch_size):
             batch = batch.to(self.device, non_blocking=True)
-            x = self.augment.train_views(batch.images, 1, gen) if view == "train" else self.augment.test_view(batch.images)
+            x = (
+                self.augment.train_views(batch.images, 1, gen)
+                if view == "train"
+                else self.augment.test_view(batch.images)
+            )
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 f = self.model.features(x)
             if feats is None:

@@ -464,7 +464,9 @@ def semi_supervised_kmeans(
             raise ValueError("l_targets must hold integer class ids; got non-integer values")
     t = t.to(device=dev, dtype=torch.long)
     if t.numel() and bool(((t < 0) | (t >= K)).any()):
-        raise ValueError(f"l_targets must lie in 0..{K - 1} (n_clusters={K}); got values {int(t.min())}..{int(t.max())}")
+        raise ValueError(
+            f"l_targets must lie in 0..{K - 1} (n_clusters={K}); got values {int(t.min())}..{int(t.max())}"
+        )
 
     counts = all_reduce_sum(torch.tensor([u.shape[0], l.shape[0]], dtype=torch.long, device=dev))
     n_u, n_l = int(counts[0]), int(counts[1])
@@ -523,6 +525,10 @@ def semi_supervised_kmeans(
     for r0 in range(0, n_init, kpp_batch):  # restarts share k-means++ passes over the data, kpp_batch at a time
         r1 = min(r0 + kpp_batch, n_init)
         seeds_all.extend(_kmeans_pp(p, means, uniforms[r0:r1], exclude).unbind(0))
+    cap = None if cs is None else cs - l_cnt  # room left for unlabelled points (negative: labelled overflow)
+    cap_free = None if cap is None else cap.clamp_min(0)
+    frozen_a = torch.zeros(K, dtype=torch.bool, device=dev)  # Phase A of balance="reference"
+    frozen_a[:nL] = True
     best, best_init = None, 0
     for r in range(n_init):
         C = seeds_all[r].clone()
@@ -530,12 +536,8 @@ def semi_supervised_kmeans(
         if not balanced:
             run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
         elif balance == "capacity":
-            cap = (cs - l_cnt).clamp_min(0)
-            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_capacity(p, C, cap), frozen)
+            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_capacity(p, C, cap_free), frozen)
         else:
-            cap = cs - l_cnt
-            frozen_a = torch.zeros(K, dtype=torch.bool, device=dev)
-            frozen_a[:nL] = True
             C = run.iterate(p, C, max_iter, tol, lambda C, it: _assign_reference_phase_a(p, C, cap, it), frozen_a)
             run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
         if best is None or run.best[0] < best.best[0]:

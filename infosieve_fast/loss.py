@@ -20,7 +20,9 @@ class InfoSieveLoss:
     def __init__(self, cfg: LossConfig, n_old: int, backend: str = "auto"):
         self.cfg, self.n_old, self.backend = cfg, n_old, backend
 
-    def _contrastive(self, feats: Tensor, sup_feats: Tensor, gt: Tensor, pseudo: Tensor, sup_weight: float, is_code: bool):
+    def _contrastive(
+        self, feats: Tensor, sup_feats: Tensor, gt: Tensor, pseudo: Tensor, sup_weight: float, is_code: bool
+    ):
         cfg = self.cfg
         unsup = kernels.info_nce_loss(feats, cfg.temperature, cfg.label_smoothing, is_code, backend=self.backend)
         tau = cfg.supcon_temperature

@@ -92,7 +92,10 @@ def _gram_tile(
             kmask = kk < D
             a = tl.load(x_ptr + r64[:, None] * sxr + kk[None, :] * sxc, mask=rmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(x_ptr + c64[None, :] * sxr + kk[:, None] * sxc, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            g = tl.dot(a, b, g, input_precision=PREC)
+            if x_ptr.dtype.element_ty == tl.float32:
+                g = tl.dot(a, b, g, input_precision=PREC, out_dtype=ACC)
+            else:  # fp16/bf16 products are exact in the fp32 accumulator; fp64 is always IEEE
+                g = tl.dot(a, b, g, out_dtype=ACC)
     return g
 
 
@@ -393,7 +396,7 @@ def _bwd_kernel(
                 fj = tl.load(
                     x_ptr + c64[:, None] * sxr + dcols[None, :] * sxc, mask=cmask[:, None] & dmask[None, :], other=0.0
                 )
-                acc = tl.dot(t, fj.to(ACC), acc, input_precision=PREC)
+                acc = tl.dot(t, fj.to(ACC), acc, input_precision=PREC, out_dtype=ACC)  # out_dtype: fp64 on triton 3.6
     if SIGMA:
         if CODE:
             sig = -R / ((S_r + 1e-10) * (S_r + 1e-10))

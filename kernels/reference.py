@@ -53,7 +53,7 @@ def code_head(code_feat: Tensor, mask_feat: Tensor, age: float, code_weight: Ten
 
 
 def length_loss(mask: Tensor, length_weight: Tensor) -> Tensor:
-    """`NormPLoss(p=1)`: ||m / w||_1 over the whole batch / ||1 / w||_1, always in at least fp32 (2^39 overflows fp16)."""
+    """`NormPLoss(p=1)`: ||m / w||_1 over the batch / ||1 / w||_1, in at least fp32 (2^39 overflows fp16)."""
     dtype = torch.promote_types(mask.dtype, torch.float32)
     inv_w = 1.0 / length_weight.to(device=mask.device, dtype=dtype)
     return (mask.to(dtype) * inv_w).abs().sum() / inv_w.abs().sum()
@@ -76,7 +76,9 @@ def contrastive_logits(x: Tensor, temperature: float, is_code: bool) -> Tensor:
     return -d / temperature
 
 
-def info_nce_loss(features: Tensor, temperature: float = 1.0, label_smoothing: float = 0.0, is_code: bool = False) -> Tensor:
+def info_nce_loss(
+    features: Tensor, temperature: float = 1.0, label_smoothing: float = 0.0, is_code: bool = False
+) -> Tensor:
     """Euclidean InfoNCE over 2 views with label smoothing: CE(label_smoothing) over `info_nce_logits` (§3.1).
 
     Row i's positive is its other view (i ± B); the self column is dropped, so each row has 2B-1 classes and
@@ -107,7 +109,9 @@ def supcon_loss(
     every labelled sample this never happens); with no anchor at all the loss is 0.
     """
     if labels.shape != features.shape[:1]:
-        raise ValueError(f"labels must have one entry per feature row: {tuple(labels.shape)} vs {tuple(features.shape)}")
+        raise ValueError(
+            f"labels must have one entry per feature row: {tuple(labels.shape)} vs {tuple(features.shape)}"
+        )
     keep = labels >= 0
     x, y = features[keep], labels[keep]
     n = x.shape[0]

@@ -18,11 +18,19 @@ def test_every_shipped_config_loads_and_round_trips(tmp_path):
 
 
 def test_paper_values_in_dataset_configs():
-    cub, cifar10, herb = (load_config(p) for p in ("configs/cub.yaml", "configs/cifar10.yaml", "configs/herbarium19.yaml"))
+    cub, cifar10, herb = (
+        load_config(p) for p in ("configs/cub.yaml", "configs/cifar10.yaml", "configs/herbarium19.yaml")
+    )
     assert (cub.schedule.epochs, cub.data.batch_size, cub.optim.lr, cub.optim.momentum) == (200, 128, 0.1, 0.9)
     assert (cub.model.code_length, cub.model.grad_from_block, cifar10.model.grad_from_block) == (40, 10, 11)
     assert (cub.loss.label_smoothing, cifar10.loss.label_smoothing, herb.loss.label_smoothing) == (1.0, 0.0, 0.1)
-    assert (cub.loss.delta, cub.loss.zeta, cub.loss.mu, cub.loss.eta, cub.loss.sup_con_weight) == (0.1, 0.01, 0.01, 0.01, 0.35)
+    assert (cub.loss.delta, cub.loss.zeta, cub.loss.mu, cub.loss.eta, cub.loss.sup_con_weight) == (
+        0.1,
+        0.01,
+        0.01,
+        0.01,
+        0.35,
+    )
     assert herb.kmeans.balanced is False and cub.kmeans.balanced is True
 
 

@@ -76,7 +76,9 @@ def test_non_finite_loss_stops_with_step_terms_and_hint(tmp_path):
 
 
 def test_cli_reports_config_errors(tmp_path, capsys):
-    assert cli.main(["train", "--config", "configs/demo.yaml", "--set", "optim.lr=x", "--out", str(tmp_path / "r")]) == 2
+    assert (
+        cli.main(["train", "--config", "configs/demo.yaml", "--set", "optim.lr=x", "--out", str(tmp_path / "r")]) == 2
+    )
     assert "optim.lr must be float" in capsys.readouterr().err
 
 

@@ -61,7 +61,7 @@ def _run(fn, x: torch.Tensor, *args, **kwargs):
     return loss.detach(), x.grad
 
 
-def _compare(ours_fn, ref_fn, x, args, *, gram, kwargs=None, seen=None, duplicates=False):
+def _compare(ours_fn, ref_fn, x, args, *, gram, kwargs=None, seen=None, duplicates=False, gfloor=1e-30):
     """Run both (the oracle in float64 on the same values); check dtype, loss and gradient.
 
     `duplicates`: the oracle's float64 distance between exact duplicate rows is sqrt(rounding error) ~ 1e-8, where
@@ -81,7 +81,7 @@ def _compare(ours_fn, ref_fn, x, args, *, gram, kwargs=None, seen=None, duplicat
     )
     gscale = want_grad.abs().max().item()
     err = (grad.double() - want_grad).abs().max().item()
-    assert err <= gtol * gscale + 1e-30, f"grad error {err:.3e} vs max |grad| {gscale:.3e} (seed {SEED})"
+    assert err <= gtol * gscale + gfloor, f"grad error {err:.3e} vs max |grad| {gscale:.3e} (seed {SEED})"
     if seen is not None:
         assert seen[-2:] == ["forward", "backward"], seen
     return loss, grad
@@ -269,7 +269,8 @@ def test_larger_ragged(device, gen):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-sync detection needs CUDA")
 @pytest.mark.parametrize("gram", GRAMS)
-def test_no_host_sync(gram, gen):
+def test_no_host_sync(gram, gen, monkeypatch):
+    monkeypatch.setattr(C, "DEBUG_HOOK", None)  # the test hook's finiteness check itself syncs
     x = _features(64, 96, torch.float32, torch.device("cuda"), gen).requires_grad_(True)
     y = _labels(64, x.device, gen)
     C.info_nce_loss(x, 1.0, 0.1, True, gram=gram)  # compile outside the check

@@ -26,7 +26,9 @@ def blobs(n=400, d=8, k=6, n_known=3, seed=0, spread=3.0, weights=None):
 
 
 def reference(u, l, t, k, *, n_init=3, max_iter=10, seed=0, **kw):
-    return ReferenceSSKMeans(k, n_init=n_init, max_iter=max_iter, random_state=seed, empty="keep", **kw).fit_mix(u, l, t)
+    return ReferenceSSKMeans(k, n_init=n_init, max_iter=max_iter, random_state=seed, empty="keep", **kw).fit_mix(
+        u, l, t
+    )
 
 
 # ------------------------------------------------------------------------------------------------ reference parity

@@ -52,7 +52,11 @@ def _dino_layout(state: dict) -> dict:
 def test_local_checkpoint_loads_in_timm_and_dino_layouts(tmp_path, layout):
     source = timm.create_model(TINY_VIT["backbone"], num_classes=0, **TINY_VIT["backbone_kwargs"])
     state = source.state_dict()
-    payload = {"timm": state, "dino": _dino_layout(state), "module_prefix": {f"module.{k}": v for k, v in state.items()}}
+    payload = {
+        "timm": state,
+        "dino": _dino_layout(state),
+        "module_prefix": {f"module.{k}": v for k, v in state.items()},
+    }
     path = tmp_path / "weights.pth"
     torch.save(payload[layout], path)
     net = timm.create_model(TINY_VIT["backbone"], num_classes=0, **TINY_VIT["backbone_kwargs"])

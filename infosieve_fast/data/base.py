@@ -20,7 +20,9 @@ class Batch:
     labelled: Tensor  # bool [B], True where the sample's label may be used for training
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.images, self.targets, self.uq, self.labelled)))
+        return Batch(
+            *(t.to(device, non_blocking=non_blocking) for t in (self.images, self.targets, self.uq, self.labelled))
+        )
 
 
 class GCDSource(Protocol):

@@ -20,7 +20,9 @@ class InMemoryGCD:
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"images must be uint8 [N, C, H, W], got {images.dtype} {tuple(images.shape)}")
         if not (len(images) == len(targets) == len(labelled)):
-            raise ValueError(f"images, targets, labelled differ in length: {len(images)}, {len(targets)}, {len(labelled)}")
+            raise ValueError(
+                f"images, targets, labelled differ in length: {len(images)}, {len(targets)}, {len(labelled)}"
+            )
         if bool((targets[labelled] >= n_old).any()):
             raise ValueError("a labelled sample has a novel-class target: labelled samples must be known classes")
         self.images, self.targets, self.labelled = images, targets.long(), labelled.bool()
@@ -63,4 +65,3 @@ def digits(
     images = (pixels.clamp(0, 1) * 255).round().to(torch.uint8)
     labelled, targets = gcd_split(data.target, list(range(known_classes)), prop, seed)
     return InMemoryGCD(images, torch.from_numpy(targets), torch.from_numpy(labelled), known_classes, labelled_share)
-
