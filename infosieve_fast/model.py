@@ -75,7 +75,7 @@ def _block_index(name: str) -> int:
 
 
 def build_backbone(cfg: ModelConfig, net: nn.Module | None = None, feat_dim: int | None = None) -> Backbone:
-    """The backbone from `net` (any module, with `feat_dim`), or timm's `cfg.backbone` + an optional local checkpoint."""
+    """The backbone from `net` (any module, with `feat_dim`), or the timm `cfg.backbone` + a local checkpoint."""
     if net is None:
         try:
             net = timm.create_model(cfg.backbone, pretrained=False, num_classes=0, **cfg.backbone_kwargs)
