@@ -6,10 +6,10 @@
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]        # default: $RESULTS_DIR, else benchmarks/results
 #   RESULTS_DIR=$OUT bash benchmarks/gpu_check.sh     # the device tool returns only files written under $OUT
 #
-# Writes <card>-env.txt, <card>-tests.txt, <card>-kernels.json (+ .log), <card>-kmeans.json (+ .log) and
-# <card>-summary.txt, where <card> is a slug of the GPU name (e.g. nvidia-h200). Wheels in .whl/, if any, are
+# Writes <card>-env.txt, <card>-tests.txt, <card>-kernels.json (+ .log), <card>-kmeans.json (+ .log),
+# <card>-demo.txt (a demo training run on CUDA) and <card>-summary.txt, where <card> is a slug of the GPU name (e.g. nvidia-h200). Wheels in .whl/, if any, are
 # installed into /tmp/site first (the machine has no package registry). Env: PYTHON (default python3),
-# KERNEL_BUDGET_S (bench_kernels' time budget, default 190).
+# KERNEL_BUDGET_S (bench_kernels' time budget, default 150).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 RESULTS=${1:-${RESULTS_DIR:-benchmarks/results}}
@@ -72,11 +72,11 @@ for t in tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests
   if [ -f "$t" ]; then tests+=("$t"); else echo "missing test file: $t" | tee -a "$summary"; failed=1; fi
 done
 if [ "${#tests[@]}" -gt 0 ]; then
-  step "parity tests (CUDA)" 140 "$RESULTS/$card-tests.txt" "$PY" -m pytest "${tests[@]}" -q -rfEs -p no:cacheprovider
+  step "parity tests (CUDA)" 120 "$RESULTS/$card-tests.txt" "$PY" -m pytest "${tests[@]}" -q -rfEs -p no:cacheprovider
 fi
 
-step "bench_kernels" 250 "$RESULTS/$card-kernels.log" \
-  "$PY" benchmarks/bench_kernels.py --device cuda --budget-s "${KERNEL_BUDGET_S:-190}" --json "$RESULTS/$card-kernels.json"
+step "bench_kernels" 200 "$RESULTS/$card-kernels.log" \
+  "$PY" benchmarks/bench_kernels.py --device cuda --budget-s "${KERNEL_BUDGET_S:-150}" --json "$RESULTS/$card-kernels.json"
 
 if [ -f benchmarks/bench_kmeans.py ]; then
   help=$(timeout 30 "$PY" benchmarks/bench_kmeans.py --help 2>&1)
@@ -87,6 +87,10 @@ if [ -f benchmarks/bench_kmeans.py ]; then
 else
   echo "bench_kmeans: skipped (benchmarks/bench_kmeans.py not present)" | tee -a "$summary"
 fi
+
+# The whole training path on CUDA: bf16 autocast, the Triton kernels chosen by the dispatch, k-means on the GPU.
+step "demo training (CUDA)" 120 "$RESULTS/$card-demo.txt" \
+  "$PY" -m infosieve_fast.cli train --config configs/demo.yaml --out "/tmp/gpu-demo-$$" --set train.device=cuda
 
 echo "=== summary ($RESULTS)"
 cat "$summary"
