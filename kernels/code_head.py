@@ -23,6 +23,11 @@ tanh keeps full relative precision for the tiny pre-activations of early trainin
 see them to ~1e-15. No host synchronisation: the scalar upstream grads are read on the device.
 
 There is no gradient for `age`, `code_weight` or `length_weight` (they are schedule constants in InfoSieve).
+
+Measured on one H200 (torch 2.11, triton 3.6, fp32, L = 40, `triton.testing.do_bench` medians, one run): N = 1M
+forward 0.42 ms (~2.4 TB/s of the minimal traffic), forward+backward 1.08 ms against 5.2 ms eager; L = 256, N = 1M:
+1.9 ms / 5.5 ms against 9.7 / 31.7 ms eager. Below N ~ 64K the call is host-bound (about 85 us of Python and launch
+per forward, 390 us per forward+backward through autograd, against 210 / 1300 us eager).
 """
 
 from __future__ import annotations
