@@ -38,11 +38,9 @@ def resolve_backend(backend: str, tensor: Tensor) -> str:
 def _impl(module: str, name: str, backend: str, tensor: Tensor):
     if resolve_backend(backend, tensor) == "torch":
         return getattr(reference, name)
-    fn = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    # Importing the submodule `kernels.code_head` binds it as this package's attribute `code_head`, which would
-    # shadow the dispatch function of the same name for every later `kernels.code_head(...)` call: undo that.
-    globals()["code_head"] = _code_head_dispatch
-    return fn
+    # Importing the submodule `kernels.code_head` rebinds this package's `code_head` to it; that module is callable
+    # and forwards to the dispatch function below, so `kernels.code_head(...)` keeps working (see its last lines).
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def code_head(
@@ -50,9 +48,6 @@ def code_head(
 ) -> CodeHead:
     """See `reference.code_head`."""
     return _impl("code_head", "code_head", backend, code_feat)(code_feat, mask_feat, age, code_weight, length_weight)
-
-
-_code_head_dispatch = code_head
 
 
 def info_nce_loss(

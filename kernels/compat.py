@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from . import _impl
+from . import code_head as _code_head  # the dispatch (or the callable Triton module forwarding to it)
 from . import info_nce_loss as _info_nce_loss
 from . import supcon_loss as _supcon_loss
 from .reference import ROW_SUM_EPS, length_loss, pairwise_distances
@@ -245,13 +245,6 @@ class DINOLABELLING(nn.Module):
         weight = weight.to(device=code_feat.device)
         out = _code_head(code_feat, mask_feat, float(self.age), weight, weight, backend=self.backend)
         return code_feat, out.mask, out.code_raw, out.code, out.trunc_code
-
-
-def _code_head(code_feat, mask_feat, age, code_weight, length_weight, *, backend="auto"):
-    """`kernels.code_head`, looked up per call: importing the Triton module `kernels/code_head.py` rebinds the
-    package attribute `kernels.code_head` from the dispatch function to that module."""
-    fn = _impl("code_head", "code_head", backend, code_feat)
-    return fn(code_feat, mask_feat, age, code_weight, length_weight)
 
 
 PATCHED_NAMES = ("SupConLoss", "HLoss", "NormPLoss", "Norm0Loss", "DINOLABELLING", "info_nce_loss")
