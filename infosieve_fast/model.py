@@ -160,17 +160,21 @@ class Labeller(nn.Module):
         self.register_buffer("age", torch.tensor(20.0, dtype=torch.float64))
         self.register_buffer("code_weight", kernels.positional_weights(code_length, 2.0))
         self.register_buffer("length_weight", kernels.positional_weights(code_length, 2.0))
+        # A host copy of `age`, so the forward never syncs with the device to read the buffer.
+        self._age = float(self.age)
+        self.register_load_state_dict_post_hook(lambda module, _: setattr(module, "_age", float(module.age)))
 
     def set_schedule(self, age: float, base: float, length_base: float) -> None:
         n = self.code_weight.numel()
         self.age.fill_(age)
+        self._age = float(age)
         self.code_weight.copy_(kernels.positional_weights(n, base))
         self.length_weight.copy_(kernels.positional_weights(n, length_base))
 
     def forward(self, x: Tensor, backend: str = "auto") -> tuple[Tensor, kernels.CodeHead]:
         code_feat = self.coder(x)
         head = kernels.code_head(
-            code_feat, self.masker(x), float(self.age), self.code_weight, self.length_weight, backend=backend
+            code_feat, self.masker(x), self._age, self.code_weight, self.length_weight, backend=backend
         )
         return code_feat, head
 
