@@ -125,10 +125,11 @@ def test_info_nce_two_rows(gram, is_code, device, gen):
     """N = 2: one class per row, so the loss and the gradient are exactly 0 whatever the smoothing."""
     x = _features(2, 17, torch.float64, device, gen)
     for eps in (0.0, 0.5, 1.0):
+        # Exact zeros on the interpreter; a compiled kernel may leave fp64 rounding (~1e-17) in the gradient.
         loss, grad = _compare(
-            C.info_nce_loss, ref.info_nce_loss, x, (0.07, eps, is_code), gram=gram, kwargs={"gram": gram}
+            C.info_nce_loss, ref.info_nce_loss, x, (0.07, eps, is_code), gram=gram, kwargs={"gram": gram}, gfloor=1e-12
         )
-        assert loss.item() == 0.0 and grad.abs().max().item() < 1e-12
+        assert abs(loss.item()) < 1e-12 and grad.abs().max().item() < 1e-12
 
 
 @pytest.mark.parametrize("gram", GRAMS)
