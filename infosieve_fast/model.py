@@ -172,9 +172,11 @@ class Labeller(nn.Module):
         self.length_weight.copy_(kernels.positional_weights(n, length_base))
 
     def forward(self, x: Tensor, backend: str = "auto") -> tuple[Tensor, kernels.CodeHead]:
-        code_feat = self.coder(x)
+        # The [N, L] code block runs in fp32 even under autocast: tanh(age * x) for age up to 20 and the 2^k length
+        # weights need it, and it costs nothing next to the 65536-wide first layers.
+        code_feat = self.coder(x).float()
         head = kernels.code_head(
-            code_feat, self.masker(x), self._age, self.code_weight, self.length_weight, backend=backend
+            code_feat, self.masker(x).float(), self._age, self.code_weight, self.length_weight, backend=backend
         )
         return code_feat, head
 

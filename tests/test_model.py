@@ -120,3 +120,11 @@ def test_infosieve_accepts_any_backbone_module():
     assert out.projection.shape == (4, 64) and out.category_logits.shape == (4, 2)
     torch.testing.assert_close(out.projection.norm(dim=1), torch.ones(4))
     assert isinstance(out.head, kernels.CodeHead)
+
+
+def test_code_block_runs_in_fp32_under_autocast():
+    lab = Labeller(in_dim=16, code_length=8, n_classes=3, hidden_dim=8)
+    x = torch.nn.functional.normalize(torch.randn(6, 16), dim=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, head = lab(x, backend="torch")
+    assert all(t.dtype == torch.float32 for t in head), [t.dtype for t in head]
