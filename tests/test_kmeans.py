@@ -268,3 +268,18 @@ def test_real_features_all_100_classes(realdata):
     cap = semi_supervised_kmeans(u, l, t, 100, n_init=3, seed=0, balanced=True)
     assert torch.bincount(cap.labels).max() <= cs
     assert _acc(cap, len(l), y_u, n_old) >= 0.672 - 0.02
+
+
+@pytest.mark.parametrize("balance", ["capacity", "reference"])
+def test_balancing_without_the_stored_matrix(monkeypatch, balance):
+    # large problems recompute distances per round / pass instead of keeping [N, K]: same labels
+    import infosieve_fast.kmeans as km
+
+    u, l, t, _ = blobs(n=500, k=5, n_known=2, seed=4, spread=2.0, weights=[0.1, 0.15, 0.4, 0.2, 0.15])
+    kw = dict(n_init=2, seed=0, balanced=True, balance=balance, cluster_size=100)
+    a = semi_supervised_kmeans(u, l, t, 5, **kw)
+    monkeypatch.setattr(km, "_CAPACITY_MATRIX_MAX", 0)
+    b = semi_supervised_kmeans(u, l, t, 5, **kw)
+    assert torch.equal(a.labels, b.labels) and a.inertia == pytest.approx(b.inertia, rel=1e-12)
+    if balance == "capacity":
+        assert torch.bincount(a.labels).max() <= 100
