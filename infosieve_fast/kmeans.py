@@ -224,10 +224,10 @@ def _labelled_inertia(p: _Problem, C: torch.Tensor) -> torch.Tensor:
     return p.l_sq - 2 * (C64 * p.l_sums64).sum() + (p.l_cnt.to(torch.float64) * (C64 * C64).sum(1)).sum()
 
 
-def _cluster_sums(x: torch.Tensor, lab: torch.Tensor, K: int, chunk: int) -> torch.Tensor:
+def _cluster_sums(x: torch.Tensor, lab: torch.Tensor, K: int, chunk: int, onehot: bool | None = None) -> torch.Tensor:
     """Per-cluster sums of the rows of ``x`` (deterministic on CUDA: one-hot GEMM instead of atomics)."""
     out = torch.zeros(K, x.shape[1], dtype=x.dtype, device=x.device)
-    if not x.is_cuda:
+    if not (x.is_cuda if onehot is None else onehot):
         return out.index_add_(0, lab, x)
     for s in range(0, x.shape[0], chunk):
         e = min(s + chunk, x.shape[0])

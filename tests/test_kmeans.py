@@ -8,7 +8,14 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from benchmarks.reference_kmeans import ReferenceSSKMeans
-from infosieve_fast.kmeans import _assign_capacity, _Problem, _TorchOps, faiss_available, semi_supervised_kmeans
+from infosieve_fast.kmeans import (
+    _assign_capacity,
+    _cluster_sums,
+    _Problem,
+    _TorchOps,
+    faiss_available,
+    semi_supervised_kmeans,
+)
 from infosieve_fast.metrics import split_cluster_acc_v2
 
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(), reason="no faiss"))]
@@ -283,3 +290,15 @@ def test_balancing_without_the_stored_matrix(monkeypatch, balance):
     assert torch.equal(a.labels, b.labels) and a.inertia == pytest.approx(b.inertia, rel=1e-12)
     if balance == "capacity":
         assert torch.bincount(a.labels).max() <= 100
+
+
+def test_cluster_sums_onehot_path_equals_index_add():
+    # the CUDA path (one-hot GEMM, deterministic) against index_add_, run on the CPU
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, 7, generator=g, dtype=torch.float64)
+    lab = torch.randint(0, 9, (1000,), generator=g)
+    lab[lab == 4] = 3  # an empty cluster
+    a = _cluster_sums(x, lab, 9, 128, onehot=False)
+    b = _cluster_sums(x, lab, 9, 128, onehot=True)
+    torch.testing.assert_close(a, b)
+    assert torch.equal(a[4], torch.zeros(7, dtype=torch.float64))
