@@ -108,6 +108,9 @@ def _labels(n, device, gen, n_classes=4):
 @pytest.mark.parametrize("temperature,smoothing", [(1.0, 0.0), (0.07, 0.1), (1.0, 1.0)])
 def test_info_nce_matches_reference(gram, dtype, is_code, temperature, smoothing, device, gen, poisoned_buffers):
     x = _features(70, 45, dtype, device, gen)  # 70 rows, 45 columns: ragged against the 32-wide test tiles
+    # The code variant at smoothing 1 is nearly inert (REFERENCE §3.2, §3.9): its gradient (~1e-9) is what is left
+    # after per-pair terms ~1e4 times larger cancel, so fp32 rounding of those terms needs an absolute floor.
+    inert = is_code and smoothing == 1.0 and dtype != torch.float64
     _compare(
         C.info_nce_loss,
         ref.info_nce_loss,
@@ -116,6 +119,7 @@ def test_info_nce_matches_reference(gram, dtype, is_code, temperature, smoothing
         gram=gram,
         kwargs=dict(gram=gram),
         seen=poisoned_buffers,
+        gfloor=1e-11 if inert else 1e-30,
     )
 
 
