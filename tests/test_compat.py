@@ -441,13 +441,14 @@ def test_cdist_diagonal_quirk(monkeypatch, device, dtype, rtol):
     assert_near(g1[0], g0[0], rtol, 0.0, "code info_nce grad")
 
 
-def test_docs_example_runs(monkeypatch):
-    """Every python block of docs/compat.md runs as written (against a private copy of the stand-in module)."""
+@pytest.mark.parametrize("doc", ["docs/compat.md", "README.md"])
+def test_docs_example_runs(monkeypatch, doc):
+    """Every runnable python block (the ones using the stand-in module) of the doc runs as written."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setitem(sys.modules, "tests.reference_model_standin", fresh_standin())
     monkeypatch.setattr(sys.modules["tests"], "reference_model_standin", sys.modules["tests.reference_model_standin"])
-    text = (ROOT / "docs" / "compat.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "docs/compat.md has no python example"
+    text = (ROOT / doc).read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "reference_model_standin" in b]
+    assert blocks, f"{doc} has no runnable compat example"
     for block in blocks:
-        exec(compile(block, "docs/compat.md", "exec"), {"__name__": "__docs__"})
+        exec(compile(block, doc, "exec"), {"__name__": "__docs__"})
