@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infosieve_fast.data.augment import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DeviceAugment
+from infosieve_fast.data.augment import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, BufferPool, DeviceAugment
 
 
 def _images(b: int = 6, h: int = 40, w: int = 48) -> torch.Tensor:
@@ -80,3 +80,38 @@ def test_device_matches_cpu(device):
     assert on_dev.device.type == device.type and on_dev.shape == (8, 3, 48, 48)
     if device.type == "cpu":
         torch.testing.assert_close(on_dev, aug.train_views(x, 2, torch.Generator().manual_seed(2)))
+
+
+def test_cpu_outputs_reuse_memory_only_when_released():
+    """The CPU path writes into reused buffers (BufferPool): never one whose result, or a view of it, is still held."""
+    x = _images(4, 40, 40)
+    aug = DeviceAugment(AugmentConfig(crop_size=32))
+    gen = torch.Generator().manual_seed(0)
+    first = aug.train_views(x, 2, gen)
+    kept = first.clone()
+    row = first[3]  # a view keeps the buffer alive too
+    ptr = first.data_ptr()
+    del first
+    outs = [aug.train_views(x, 2, gen) for _ in range(3)]  # the pool is full: fresh buffers
+    assert torch.equal(row, kept[3]) and all(o.data_ptr() != ptr for o in outs)
+    del row, outs
+    again = aug.train_views(x, 2, torch.Generator().manual_seed(0))
+    assert torch.equal(again, kept)
+    del again
+    pooled = {buf.data_ptr() for buf, _ in aug._pool._bufs}
+    assert aug.train_views(x, 2, gen).data_ptr() in pooled  # released: reused
+    test = aug.test_view(x)
+    torch.testing.assert_close(_unnormalise(test), x[:, :, 4:36, 4:36].float(), atol=0, rtol=0)
+
+
+def test_buffer_pool_shapes_and_numpy_holders():
+    pool = BufferPool(2)
+    a = pool.get((3, 4), torch.float32)
+    arr = a.numpy()
+    del a
+    b = pool.get((3, 4), torch.float32)  # `arr` still holds the first buffer
+    assert b.data_ptr() != arr.ctypes.data
+    del arr
+    c = pool.get((3, 4), torch.float32)
+    assert c.data_ptr() != b.data_ptr()
+    assert pool.get((2, 2), torch.uint8).shape == (2, 2)  # another shape: a new buffer, the oldest dropped

@@ -1,9 +1,10 @@
-"""make-shards: round trips of the two real folders, corrupt inputs, truncated shards, resume after kill, no-op rerun.
+"""make-shards: exact round trips of the two real folders, a JPEG round trip, corrupt inputs, truncated shards, resume
+after kill, no-op rerun.
 
-Round trips: `cifar10_test` (ImageFolder layout, 10,000 images) and `cub100` (CUB-style files, 5,902 images) are
-sharded in full; every sample's label and uq is compared with the source, and the decoded image with the source after
-the resize for a fixed 1-in-5 subset of the samples (all of them would double the suite's time on a 2-core machine;
-the subset still covers every shard and every class).
+Exact round trips: `cifar10_test` (ImageFolder layout, 10,000 images) and `cub100` (CUB-style files, 5,902 images) are
+sharded in full with the lossless `--image-format png` (once per session); every sample's label, labelled flag and uq
+is compared with the source, and every decoded image with the source after the same resize, for uint8 equality. The
+default JPEG format is lossy: a smaller real tree checks it image by image against a PSNR bound.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ from infosieve_fast.data.shards import (
 from infosieve_fast.data.splits import gcd_split
 from infosieve_fast.data.stream import ShardSource
 
-IMAGE_EVERY = 5
+REAL = [
+    ("cifar10_test", "imagefolder", ("cifar10_test", "test")),
+    ("cub100", "cubfiles", ("cub100",)),
+]
 
 
 def _tar_samples(path: Path) -> dict[str, dict[str, bytes]]:
@@ -55,50 +59,110 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     return 99.0 if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
-@pytest.fixture(scope="module")
-def real_shards(realdata, tmp_path_factory):
-    base = tmp_path_factory.mktemp("real_shards")
-    out = {}
-    for name, dataset, root in [
-        ("cifar10_test", "imagefolder", realdata / "cifar10_test" / "test"),
-        ("cub100", "cubfiles", realdata / "cub100"),
-    ]:
-        manifest = make_shards(dataset, root, base / name, shard_size_mb=48, workers=2, progress=False)
-        out[name] = (dataset, root, base / name, manifest)
-    return out
+def _want(source, size: int = 256) -> np.ndarray:
+    """The source image after make-shards' resize, H x W x 3 uint8, with its expected shape checked."""
+    src = load_rgb(source)
+    want = np.asarray(resize_image(src, size))
+    assert want.shape == (*resized_size(src.width, src.height, size)[::-1], 3)
+    return want
 
 
-@pytest.mark.parametrize("name", ["cifar10_test", "cub100"])
-def test_round_trip(real_shards, name):
-    dataset, root, out, manifest = real_shards[name]
+def _check_shard(job: tuple) -> tuple[list[tuple[int, int, int]], list[tuple[int, float]]]:
+    """Every sample of one shard: (uq, cls, lab) and, per image, (uq, PSNR against the resized source; 99 = equal).
+
+    Runs in a worker process; the image comparison is independent of the stream's decoder (PIL here)."""
+    path, ext, sources = job
+    meta, quality = [], []
+    for key, s in _tar_samples(path).items():
+        uq = int(s["uq"])
+        assert key == f"{uq:08d}" and set(s) == {ext, "cls", "uq", "lab"}, (path, key, sorted(s))
+        meta.append((uq, int(s["cls"]), int(s["lab"])))
+        stored = np.asarray(Image.open(io.BytesIO(s[ext])).convert("RGB"))
+        want = _want(sources[uq])
+        assert stored.shape == want.shape, (path, uq, stored.shape, want.shape)
+        quality.append((uq, 99.0 if np.array_equal(stored, want) else _psnr(stored, want)))
+    return meta, quality
+
+
+def _round_trip(dataset: str, root: Path, out: Path, manifest: dict, ext: str) -> np.ndarray:
+    """Check every train sample of `out` against the source; returns the PSNR of each image by uq (99 = equal)."""
+    import multiprocessing as mp
+
     raw = read_dataset(dataset, root)
     labelled, targets = gcd_split(raw.train_labels, raw.known, novel_classes=raw.novel)
     n = len(raw.train)
     assert manifest["counts"]["written_train"] == n and manifest["skipped"] == []
     assert manifest["counts"]["labelled"] == labelled.sum() == int(0.5 * np.isin(raw.train_labels, raw.known).sum())
     assert manifest["n_old"] == len(raw.known) and manifest["classes"]["names"][0] == raw.class_names[raw.known[0]]
-    assert len(manifest["splits"]["train"]["shards"]) >= 2
+    assert manifest["image_format"] == manifest["fingerprint"]["image_format"] == ext
+    jobs = [(out / rec["name"], ext, raw.train) for rec in manifest["splits"]["train"]["shards"]]
     seen = np.zeros(n, int)
-    checked = 0
-    for rec in manifest["splits"]["train"]["shards"]:
-        for key, s in _tar_samples(out / rec["name"]).items():
-            uq = int(s["uq"])
-            assert key == f"{uq:08d}"
-            seen[uq] += 1
-            assert int(s["cls"]) == targets[uq] and bool(int(s["lab"])) == labelled[uq]
-            if uq % IMAGE_EVERY == 0:
-                stored = np.asarray(Image.open(io.BytesIO(s["jpg"])))
-                src = load_rgb(raw.train[uq])
-                want = np.asarray(resize_image(src, 256))
-                assert stored.shape == want.shape == (*resized_size(src.width, src.height, 256)[::-1], 3)
-                assert _psnr(stored, want) > 30, (name, uq)
-                checked += 1
+    psnr = np.full(n, np.nan)
+    with mp.get_context("fork").Pool(2) as pool:
+        for meta, quality in pool.imap_unordered(_check_shard, jobs):
+            for uq, cls, lab in meta:
+                seen[uq] += 1
+                assert cls == targets[uq] and bool(lab) == labelled[uq], uq
+            for uq, q in quality:
+                psnr[uq] = q
     assert (seen == 1).all()
-    assert checked == len(range(0, n, IMAGE_EVERY))
+    return psnr
+
+
+@pytest.fixture(scope="session")
+def real_shards(realdata, tmp_path_factory):
+    """Both real folders written in full as lossless (PNG) shards, once per test session."""
+    base = tmp_path_factory.mktemp("real_shards")
+    out = {}
+    for name, dataset, parts in REAL:
+        root = realdata.joinpath(*parts)
+        manifest = make_shards(
+            dataset, root, base / name, shard_size_mb=48, workers=2, progress=False, image_format="png"
+        )
+        out[name] = (dataset, root, base / name, manifest)
+    return out
+
+
+@pytest.mark.parametrize("name", [r[0] for r in REAL])
+def test_round_trip_exact(real_shards, name):
+    """Every label, labelled flag, uq and image (uint8, after the resize) equals the source."""
+    dataset, root, out, manifest = real_shards[name]
+    assert len(manifest["splits"]["train"]["shards"]) >= 2
+    psnr = _round_trip(dataset, root, out, manifest, "png")
+    differ = np.flatnonzero(psnr != 99.0)
+    assert len(differ) == 0, f"{len(differ)} images differ from the source, e.g. uq {differ[:5].tolist()}"
+
+
+def test_round_trip_jpeg(realdata, tmp_path):
+    """The default (lossy) JPEG shards: exact bookkeeping, every image within PSNR 30 dB of the resized source, the
+    same through the stream; an output folder from before `--image-format` (no format in its fingerprint) is taken as
+    JPEG."""
+    tree = tmp_path / "raw"
+    _small_tree(realdata, tree, 12, classes=12)
+    out = tmp_path / "out"
+    manifest = make_shards("imagefolder", tree, out, shard_size_mb=0.5, workers=2, progress=False)
+    assert len(manifest["splits"]["train"]["shards"]) >= 2
+    psnr = _round_trip("imagefolder", tree, out, manifest, "jpg")
+    assert (psnr > 30).all() and (psnr < 99).any(), psnr.min()  # lossy, but close
+    raw = read_dataset("imagefolder", tree)
+    for threshold in (0, 1e6):  # the stream decodes JPEG shards on both paths
+        src = ShardSource(out, memory_threshold_mb=threshold, num_workers=2)
+        n = 0
+        for b in src.feature_batches(64):
+            for img, uq in zip(b.images, b.uq.tolist(), strict=True):
+                assert _psnr(img.permute(1, 2, 0).numpy(), _want(raw.train[uq])) > 30
+                n += 1
+        assert n == len(raw.train)
+    legacy = json.loads((out / MANIFEST).read_text())
+    del legacy["image_format"], legacy["fingerprint"]["image_format"], legacy["fingerprint"]["png_compress_level"]
+    (out / MANIFEST).write_text(json.dumps(legacy))
+    assert make_shards("imagefolder", tree, out, shard_size_mb=0.5, workers=2, progress=False) == legacy
+    with pytest.raises(ShardsError, match="other settings.*image_format"):
+        make_shards("imagefolder", tree, out, shard_size_mb=0.5, workers=2, progress=False, image_format="png")
 
 
 def test_read_back_through_stream(real_shards):
-    """The stream's decoder gives the centre 256x256 of the stored image; every uq once with the right target."""
+    """The stream decodes PNG shards to exactly the centre 256x256 of the resized source; each uq once, right target."""
     dataset, root, out, manifest = real_shards["cub100"]
     raw = read_dataset(dataset, root)
     _, targets = gcd_split(raw.train_labels, raw.known)
@@ -110,11 +174,10 @@ def test_read_back_through_stream(real_shards):
         np.testing.assert_array_equal(b.targets.numpy(), targets[b.uq.numpy()])
         uqs.append(b.uq)
         for i in range(0, len(b.uq), 97):
-            uq = int(b.uq[i])
-            want = np.asarray(resize_image(load_rgb(raw.train[uq]), 256))
+            want = _want(raw.train[int(b.uq[i])])
             top, left = (want.shape[0] - 256) // 2, (want.shape[1] - 256) // 2
             want = want[top : top + 256, left : left + 256].transpose(2, 0, 1)
-            assert _psnr(b.images[i].numpy(), want) > 30
+            np.testing.assert_array_equal(b.images[i].numpy(), want)
     uq = torch.cat(uqs)
     assert sorted(uq.tolist()) == list(range(5902))
 
@@ -122,7 +185,7 @@ def test_read_back_through_stream(real_shards):
 def test_rerun_is_noop_and_other_dataset_refused(real_shards, capfd):
     dataset, root, out, manifest = real_shards["cifar10_test"]
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    again = make_shards(dataset, root, out, shard_size_mb=48, workers=2, progress=True)
+    again = make_shards(dataset, root, out, shard_size_mb=48, workers=2, progress=True, image_format="png")
     assert again == manifest
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
     assert "nothing to do" in capfd.readouterr().err
@@ -130,7 +193,9 @@ def test_rerun_is_noop_and_other_dataset_refused(real_shards, capfd):
     with pytest.raises(ShardsError, match="another --out"):
         make_shards(cub_dataset, cub_root, out, progress=False)
     with pytest.raises(ShardsError, match="other settings"):
-        make_shards(dataset, root, out, shard_size_mb=48, resize=128, workers=2, progress=False)
+        make_shards(dataset, root, out, shard_size_mb=48, resize=128, workers=2, progress=False, image_format="png")
+    with pytest.raises(ShardsError, match=r"other settings \(image_format, jpeg_quality, png_compress_level\)"):
+        make_shards(dataset, root, out, shard_size_mb=48, workers=2, progress=False)  # jpg: the default
     import argparse
 
     parser = argparse.ArgumentParser()

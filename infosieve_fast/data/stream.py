@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from .augment import BufferPool
 from .base import Batch
 from .sampler import reference_labelled_share, sample_epoch
 
@@ -61,17 +62,26 @@ def _handler(exn: Exception) -> bool:
     return True
 
 
-def _jpeg_decoder():
-    """torchvision's libjpeg-turbo decoder (about 2x PIL's speed here), or PIL where torchvision has none."""
+IMAGE_KEYS = ("jpg", "png")  # a sample's image, by the shards' --image-format
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _image_decoder():
+    """torchvision's decoders (libjpeg-turbo: about 1.4x PIL's speed here; libpng), or PIL where torchvision has none.
+
+    The format is read from the bytes (PNG signature, else JPEG), so both kinds of shards decode alike."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29 deprecates its image codecs
-            from torchvision.io import ImageReadMode, decode_jpeg
+            from torchvision.io import ImageReadMode, decode_jpeg, decode_png
 
         def decode(data: bytes) -> Tensor:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
-                return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+                if data[:8] == _PNG_MAGIC:
+                    return decode_png(buf, mode=ImageReadMode.RGB)
+                return decode_jpeg(buf, mode=ImageReadMode.RGB)
 
     except ImportError:  # pragma: no cover - depends on the torchvision build
         import io
@@ -85,11 +95,11 @@ def _jpeg_decoder():
     return decode
 
 
-_decode = _jpeg_decoder()
+_decode = _image_decoder()
 
 
 def decode_fixed(data: bytes, size: int) -> Tensor:
-    """JPEG bytes -> uint8 [3, size, size]: decode as RGB, centre-crop to size x size."""
+    """JPEG or PNG bytes -> uint8 [3, size, size]: decode as RGB, centre-crop to size x size."""
     img = _decode(data)
     h, w = img.shape[-2:]
     if h < size or w < size:
@@ -117,7 +127,7 @@ class _Stream(IterableDataset):
         if wds is None:
             raise ImportError("streaming from shards needs the webdataset package: pip install webdataset")
         for sample in wds.tariterators.tarfile_samples([{"url": u} for u in urls], handler=_handler):
-            if not all(k in sample for k in ("jpg", "cls", "uq", "lab")):
+            if not all(k in sample for k in ("cls", "uq", "lab")) or not any(k in sample for k in IMAGE_KEYS):
                 _report(f"skipped incomplete sample {sample.get('__key__')} in {sample.get('__url__')}")
                 continue
             yield sample
@@ -157,7 +167,7 @@ class _Stream(IterableDataset):
     def _decoded(self, samples: Iterator[dict]) -> Iterator[tuple]:
         for s in samples:
             try:
-                img = decode_fixed(s["jpg"], self.size)
+                img = decode_fixed(s["jpg"] if "jpg" in s else s["png"], self.size)
             except Exception as exn:
                 _report(f"skipped sample {s.get('__key__')} of {s.get('__url__')}: {type(exn).__name__}: {exn}")
                 continue
@@ -179,9 +189,22 @@ class _Stream(IterableDataset):
                 raise RuntimeError("the training stream yields no samples: are all shards unreadable?")
             epoch += 1
 
+    @staticmethod
+    def _new_images(b: int, size: int) -> Tensor:
+        """The uint8 batch the decoded images are written into. In a DataLoader worker it is allocated in shared
+        memory, so handing it to the main process moves no data (otherwise the batch would be copied into shared
+        memory when it is sent)."""
+        if get_worker_info() is not None:
+            try:
+                storage = torch.UntypedStorage._new_shared(b * 3 * size * size)
+                return torch.empty(0, dtype=torch.uint8).set_(storage).view(b, 3, size, size)
+            except Exception:  # pragma: no cover - private API missing: the DataLoader copies instead
+                pass
+        return torch.empty(b, 3, size, size, dtype=torch.uint8)
+
     def _batches(self, samples: Iterator[dict]) -> Iterator[tuple]:
         b, size = self.batch_size, self.size
-        images = torch.empty(b, 3, size, size, dtype=torch.uint8)
+        images = self._new_images(b, size)
         meta = np.empty((b, 3), np.int64)
         k = 0
         for img, cls, uq, lab in self._decoded(samples):
@@ -190,7 +213,7 @@ class _Stream(IterableDataset):
             k += 1
             if k == b:
                 yield self._pack(images, meta, k)
-                images = torch.empty(b, 3, size, size, dtype=torch.uint8)
+                images = self._new_images(b, size)
                 k = 0
         if k:
             yield self._pack(images, meta, k)
@@ -261,6 +284,7 @@ class ShardSource:
         self.decoded_mb = self.n_train * 3 * self.size * self.size / 2**20
         self.in_memory = self.decoded_mb <= memory_threshold_mb
         self._mem: dict | None = None
+        self._pool = BufferPool(2)  # in-memory batches (CPU)
         self._test: ShardSource | None = None
 
     # ---- checks -------------------------------------------------------------------------------------------------
@@ -428,8 +452,13 @@ class ShardSource:
     def _memory_batch(self, idx: Tensor) -> Batch:
         m = self._mem
         assert m is not None
-        dev = m["images"].device
-        return Batch(m["images"][idx.to(dev)], m["targets"][idx].to(dev), idx.to(dev), m["labelled"][idx].to(dev))
+        data = m["images"]
+        dev = data.device
+        if dev.type == "cpu":  # into a reused buffer: a fresh 25 MB tensor per batch costs more than the copy
+            images = torch.index_select(data, 0, idx, out=self._pool.get((len(idx), *data.shape[1:]), data.dtype))
+        else:
+            images = data[idx.to(dev)]
+        return Batch(images, m["targets"][idx].to(dev), idx.to(dev), m["labelled"][idx].to(dev))
 
     def _memory_exact(self, batch_size: int) -> Iterator[Batch]:
         self.load()
