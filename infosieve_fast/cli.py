@@ -30,10 +30,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.data_shards:
         overrides.append(f"data.shards={args.data_shards}")
     cfg = config_mod.load_config(args.config, overrides)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{stamp}"
-    print(f"run folder: {run_dir}")
-    train(cfg, run_dir)
+    from . import distributed
+    from .engine import wants_cuda
+
+    with distributed.process_group_from_env(wants_cuda(cfg.train.device)):  # torchrun: every rank, one run folder
+        stamp = distributed.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
+        run_dir = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{stamp}"
+        if distributed.is_main_process():
+            print(f"run folder: {run_dir}")
+        train(cfg, run_dir)
     return 0
 
 

@@ -7,6 +7,11 @@ NCCL); the helpers do not move them.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -25,6 +30,7 @@ def get_world_size() -> int:
 
 
 def is_main_process() -> bool:
+    """True on the rank that writes files and prints (rank 0; the only process without a group)."""
     return get_rank() == 0
 
 
@@ -71,3 +77,64 @@ def all_gather_cat(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     gathered = torch.cat([p[:s] for p, s in zip(parts, sizes_l, strict=True)], dim=0)
     rank = get_rank()
     return gathered, sum(sizes_l[:rank])
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op with one process)."""
+    if get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (``obj`` itself with one process)."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
+    """Overwrite every buffer of ``module`` with rank ``src``'s (e.g. BatchNorm running statistics, which DDP only
+    broadcasts at the start of a training forward, so each rank's last forward leaves its own)."""
+    if get_world_size() > 1:
+        for buf in module.buffers():
+            dist.broadcast(buf, src=src)
+
+
+def env_world_size() -> int:
+    """``WORLD_SIZE`` as set by torchrun (1 when not launched by it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    """``LOCAL_RANK`` as set by torchrun: this process's GPU index on its machine (0 when not launched by it)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def init_from_env(use_cuda: bool) -> bool:
+    """Start the process group torchrun asks for (env ``WORLD_SIZE`` > 1): NCCL with this process on
+    ``cuda:LOCAL_RANK`` when ``use_cuda``, else gloo. Returns True when it started one (the caller then owns it and
+    ends it with :func:`destroy`); False with one process or when a group already exists."""
+    if is_distributed() or env_world_size() <= 1:
+        return False
+    if use_cuda:
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return True
+
+
+def destroy() -> None:
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group_from_env(use_cuda: bool) -> Iterator[None]:
+    """:func:`init_from_env` for the block, ended on the way out if this block started it."""
+    owned = init_from_env(use_cuda)
+    try:
+        yield
+    finally:
+        if owned:
+            destroy()

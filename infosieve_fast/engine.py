@@ -2,6 +2,11 @@
 
 Every random draw of an epoch comes from generators seeded by (train.seed, epoch), so a run resumed from its
 checkpoint repeats the uninterrupted run's schedule, sampling, augmentation and clustering exactly.
+
+Under torchrun (one process per GPU, `torch.distributed` initialised) the model is wrapped in DistributedDataParallel;
+each rank runs the feature pass on its share of the train set, the semi-supervised k-means runs on the shards (exact:
+the global clustering) and the pseudo-label and evaluation tables are all-gathered, so every rank holds the complete
+table and the same All/Old/New. `data.batch_size` is per rank. Only rank 0 writes the run folder and prints.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
+from . import distributed as dist
 from .config import Config, save_config
 from .data import build_source
 from .data.augment import AugmentConfig, DeviceAugment
@@ -33,20 +39,31 @@ class NonFiniteLoss(RuntimeError):
 
 @dataclass
 class FeatureSet:
-    """Backbone features of the whole train set in uq order, with the GCD bookkeeping."""
+    """Backbone features of this rank's share of the train set (all of it with one process) in uq order."""
 
-    feats: Tensor  # float32 [N, D], L2-normalised
-    targets: Tensor  # long [N]
-    labelled: Tensor  # bool [N]
+    feats: Tensor  # float32 [n, D], L2-normalised
+    targets: Tensor  # long [n]
+    labelled: Tensor  # bool [n]
+    uq: Tensor  # long [n], increasing
+    all_uq: Tensor  # long [N]: every rank's `uq` concatenated in rank order (a permutation of 0..N-1)
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device named by `train.device`; under torchrun a CUDA device is this process's `cuda:LOCAL_RANK`."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"train.device={name!r} but no CUDA device is available: use train.device=cpu or auto")
+    if device.type == "cuda" and dist.get_world_size() > 1:
+        if device.index is not None:
+            raise ValueError(f"train.device={name!r}: under torchrun each rank uses cuda:LOCAL_RANK; set cuda or auto")
+        device = torch.device("cuda", dist.local_rank())
     return device
+
+
+def wants_cuda(name: str) -> bool:
+    return name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
 
 
 def autocast_enabled(amp: str, device: torch.device) -> bool:
@@ -56,6 +73,11 @@ def autocast_enabled(amp: str, device: torch.device) -> bool:
 def epoch_seed(seed: int, epoch: int, stream: int) -> int:
     """Independent, reproducible seeds per (run seed, epoch, purpose)."""
     return (seed * 1_000_003 + epoch * 101 + stream) % (2**63)
+
+
+def rank_seed(seed: int) -> int:
+    """`seed` on rank 0 (so one process draws exactly as before), a different stream on every other rank."""
+    return (seed + dist.get_rank() * 7_919_000_003) % (2**63)
 
 
 class Trainer:
@@ -76,6 +98,14 @@ class Trainer:
             self.optimizer = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+        # `self.model` stays the plain module (checkpoints, feature passes); `self.net` runs the training forward.
+        # Every trainable parameter takes part in every loss (the categorizer too: an empty labelled batch gives it a
+        # zero gradient, not none), and the frozen backbone prefix has requires_grad=False, so DDP needs no
+        # find_unused_parameters.
+        self.net: torch.nn.Module = self.model
+        if dist.get_world_size() > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
 
     # ------------------------------------------------------------------------------------------------ feature pass
     def _generator(self, seed: int) -> torch.Generator:
@@ -83,12 +113,13 @@ class Trainer:
 
     @torch.no_grad()
     def extract_features(self, view: str, seed: int = 0) -> FeatureSet:
-        """Backbone features of every train sample: `view="train"` (augmented view 0, as the reference's
-        pseudo-labelling pass) or `"test"` (centre crop, as its evaluation)."""
+        """Backbone features of this rank's share of the train samples: `view="train"` (augmented view 0, as the
+        reference's pseudo-labelling pass) or `"test"` (centre crop, as its evaluation). Checks that the shares
+        together hold every train sample exactly once."""
+        dist.broadcast_buffers(self.model)  # e.g. BatchNorm statistics: each rank's last DDP forward left its own
         self.model.eval()
-        gen = self._generator(seed)
-        n = self.source.n_train
-        feats = targets = labelled = None
+        gen = self._generator(rank_seed(seed))
+        parts: list[tuple[Tensor, ...]] = []
         for batch in self.source.feature_batches(self.cfg.data.feature_batch_size):
             batch = batch.to(self.device, non_blocking=True)
             x = (
@@ -98,18 +129,34 @@ class Trainer:
             )
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 f = self.model.features(x)
-            if feats is None:
-                feats = torch.full((n, f.shape[1]), float("nan"), device=self.device)
-                targets = torch.full((n,), -1, dtype=torch.long, device=self.device)
-                labelled = torch.zeros(n, dtype=torch.bool, device=self.device)
-            feats[batch.uq], targets[batch.uq], labelled[batch.uq] = f, batch.targets, batch.labelled
-        if feats is None or bool((targets < 0).any()):
-            raise RuntimeError("the feature pass did not deliver every train sample: check the data source's uq ids")
+            parts.append((f, batch.targets, batch.labelled, batch.uq))
         self.model.train()
-        return FeatureSet(feats, targets, labelled)
+        if parts:
+            feats, targets, labelled, uq = (torch.cat(t) for t in zip(*parts, strict=True))
+        else:  # a rank with an empty share (fewer samples than ranks)
+            feats = torch.empty(0, self.model.backbone.feat_dim, device=self.device)
+            targets, labelled = torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0, device=self.device)
+            uq = torch.empty(0, dtype=torch.long, device=self.device)
+        uq, order = uq.long().sort()
+        all_uq = dist.all_gather_cat(uq)[0]
+        n = self.source.n_train
+        if len(all_uq) != n or bool((torch.bincount(all_uq.clamp(0, n - 1), minlength=n) != 1).any()):
+            raise RuntimeError(
+                f"the feature pass delivered {len(all_uq)} samples for a train set of {n}, not every uq once: "
+                "check the data source's uq ids (and, under torchrun, that each rank reads only its share)"
+            )
+        return FeatureSet(feats[order], targets[order].long(), labelled[order].bool(), uq, all_uq)
+
+    def gather_table(self, fs: FeatureSet, values: Tensor) -> Tensor:
+        """Per-sample `values` of this rank's share (aligned with `fs.uq`) as the complete table indexed by uq,
+        identical on every rank."""
+        gathered = dist.all_gather_cat(values)[0]
+        table = torch.empty((self.source.n_train, *values.shape[1:]), dtype=values.dtype, device=values.device)
+        table[fs.all_uq] = gathered
+        return table
 
     def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Tensor:
-        """SS-k-means cluster id of every train sample, indexed by uq."""
+        """SS-k-means cluster id of every train sample, indexed by uq (complete on every rank)."""
         k = self.cfg.kmeans
         lab = fs.labelled
         result = semi_supervised_kmeans(
@@ -118,19 +165,21 @@ class Trainer:
             seed=seed, backend=k.backend,
         )  # fmt: skip
         labels = result.labels.to(self.device)
-        table = torch.empty_like(fs.targets)
+        mine = torch.empty_like(fs.targets)
         n_lab = int(lab.sum())
-        table[lab.nonzero().squeeze(1)] = labels[:n_lab]
-        table[(~lab).nonzero().squeeze(1)] = labels[n_lab:]
+        mine[lab.nonzero().squeeze(1)] = labels[:n_lab]
+        mine[(~lab).nonzero().squeeze(1)] = labels[n_lab:]
         self._last_inertia = float(result.inertia)
-        return table
+        return self.gather_table(fs, mine)
 
     def evaluate(self) -> dict[str, float]:
-        """All/Old/New accuracy of SS-k-means on test-view backbone features, on the unlabelled train samples."""
+        """All/Old/New accuracy of SS-k-means on test-view backbone features, on the unlabelled train samples (all
+        ranks' shares: every rank returns the same numbers)."""
         fs = self.extract_features("test")
         preds = self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced)
-        unl = ~fs.labelled
-        y = fs.targets[unl]
+        targets = self.gather_table(fs, fs.targets)
+        unl = ~self.gather_table(fs, fs.labelled.long()).bool()
+        y = targets[unl]
         return evaluate_split(y, preds[unl], y < self.source.n_old, self.cfg.train.eval_protocol)
 
     # ------------------------------------------------------------------------------------------------ training
@@ -147,25 +196,23 @@ class Trainer:
         pseudo = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
         inertia = self._last_inertia
 
-        gen = self._generator(epoch_seed(cfg.train.seed, epoch, 3))
+        gen = self._generator(rank_seed(epoch_seed(cfg.train.seed, epoch, 3)))
         sums: dict[str, Tensor] = {}
         steps = 0
         batches = self.source.train_batches(cfg.data.batch_size, epoch, cfg.train.seed)
-        bar = tqdm(batches, desc=f"epoch {epoch + 1}/{cfg.schedule.epochs}", leave=False, dynamic_ncols=True)
+        bar = tqdm(
+            batches, desc=f"epoch {epoch + 1}/{cfg.schedule.epochs}", leave=False, dynamic_ncols=True,
+            disable=not dist.is_main_process(),
+        )  # fmt: skip
         for batch in bar:
             if cfg.train.max_steps_per_epoch is not None and steps >= cfg.train.max_steps_per_epoch:
                 break
             batch = batch.to(self.device, non_blocking=True)
             views = self.augment.train_views(batch.images, 2, gen)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                out = self.model(views)
+                out = self.net(views)
             total, parts = self.loss_fn(out, batch.targets, batch.labelled, pseudo[batch.uq])
-            if not bool(torch.isfinite(total)):
-                terms = ", ".join(f"{k}={float(v):.4g}" for k, v in parts.items())
-                raise NonFiniteLoss(
-                    f"non-finite loss at epoch {epoch}, step {steps}: {terms}. Hint: lower optim.lr, try "
-                    "train.amp=off, and check the inputs for NaN/inf; the last good checkpoint is in the run folder"
-                )
+            self._check_finite(total, parts, epoch, steps)
             self.optimizer.zero_grad(set_to_none=True)
             total.backward()
             self.optimizer.step()
@@ -174,11 +221,35 @@ class Trainer:
             steps += 1
             bar.set_postfix(loss=f"{float(parts['total']):.3f}")
         if steps == 0:
-            raise RuntimeError("the epoch had no full batch: lower data.batch_size or use more training data")
+            raise RuntimeError(
+                "the epoch had no full batch: lower data.batch_size (per rank) or use more training data"
+            )
+        world = dist.get_world_size()
+        if world > 1:  # every rank ran `steps` steps: the mean over ranks of the per-rank means
+            stacked = dist.all_reduce_sum(torch.stack(list(sums.values())).float()) / world
+            sums = dict(zip(sums, stacked, strict=True))
         record = {"epoch": epoch, "lr": sched.lr, "age": sched.age, "base": sched.base, "steps": steps}
         record.update({f"loss_{k}": float(v) / steps for k, v in sums.items()})
         record.update({"kmeans_inertia": inertia, "seconds": time.perf_counter() - start})
         return record
+
+    def _check_finite(self, total: Tensor, parts: dict[str, Tensor], epoch: int, step: int) -> None:
+        """Raise NonFiniteLoss on every rank when the loss is not finite on any (before backward, whose gradient
+        all-reduce would otherwise wait for the ranks that stopped)."""
+        bad = not bool(torch.isfinite(total))
+        where = ""
+        if dist.get_world_size() > 1:
+            flags = dist.all_gather_cat(torch.tensor([bad], dtype=torch.long, device=self.device))[0]
+            if not bool(flags.any()):
+                return
+            where = f" on rank(s) {flags.nonzero().squeeze(1).tolist()} (this is rank {dist.get_rank()})"
+        elif not bad:
+            return
+        terms = ", ".join(f"{k}={float(v):.4g}" for k, v in parts.items())
+        raise NonFiniteLoss(
+            f"non-finite loss at epoch {epoch}, step {step}{where}: {terms}. Hint: lower optim.lr, try "
+            "train.amp=off, and check the inputs for NaN/inf; the last good checkpoint is in the run folder"
+        )
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self, next_epoch: int, before: dict) -> dict:
@@ -198,6 +269,8 @@ class Trainer:
 
 
 def print_table(metrics: dict[str, dict[str, float]], protocol: str) -> None:
+    if not dist.is_main_process():
+        return
     print(f"\n{'accuracy (' + protocol + ')':<16}{'All':>8}{'Old':>8}{'New':>8}")
     for name, m in metrics.items():
         print(f"{name:<16}{m['all']:>8.4f}{m['old']:>8.4f}{m['new']:>8.4f}")
@@ -215,37 +288,50 @@ def train(
     """Train (or resume) a run in `run_dir`; returns metrics.json's content, or None if `stop_after` ended it early.
 
     `stop_after(epoch)` is asked after each epoch's checkpoint; True stops the run there (as a kill would).
+    Launched by torchrun (env WORLD_SIZE > 1) it starts the process group itself unless one exists; with a group,
+    every rank calls this with the same arguments (all ranks read the checkpoint to resume; rank 0 writes the folder).
     """
-    run_dir = Path(run_dir)
+    with dist.process_group_from_env(wants_cuda(cfg.train.device)):
+        return _train(cfg, Path(run_dir), resume, source, backbone, stop_after)
+
+
+def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
+    main = dist.is_main_process()
     log_path = run_dir / "log.jsonl"
     trainer = Trainer(cfg, source, backbone)
     if resume:
         state = ckpt.load_checkpoint(run_dir, map_location=trainer.device)
         trainer.load_state_dict(state)
         start, before = state["epoch"], state["before"]
-        ckpt.rewrite_log(log_path, [r for r in ckpt.read_log(log_path) if r["epoch"] < start])
-        print(f"resuming {run_dir} at epoch {start + 1}/{cfg.schedule.epochs}")
+        if main:
+            ckpt.rewrite_log(log_path, [r for r in ckpt.read_log(log_path) if r["epoch"] < start])
+            print(f"resuming {run_dir} at epoch {start + 1}/{cfg.schedule.epochs}")
     else:
-        if run_dir.exists() and any(run_dir.iterdir()):
+        if dist.all_reduce_any(run_dir.exists() and any(run_dir.iterdir()), trainer.device):
             raise FileExistsError(f"run folder {run_dir} is not empty: resume it with --resume or choose another --out")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.yaml")
         start, before = 0, trainer.evaluate()
         print_table({"before": before}, cfg.train.eval_protocol)
     for epoch in range(start, cfg.schedule.epochs):
         record = trainer.train_epoch(epoch)
-        ckpt.save_checkpoint(run_dir, trainer.state_dict(epoch + 1, before))
-        ckpt.append_log(log_path, record)
-        print(
-            f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
-            f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
-        )
+        if main:
+            ckpt.save_checkpoint(run_dir, trainer.state_dict(epoch + 1, before))
+            ckpt.append_log(log_path, record)
+            print(
+                f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
+                f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
+            )
+        dist.barrier()  # the checkpoint is on disk before any rank moves on (or stops)
         if stop_after is not None and stop_after(epoch):
             return None
     after = trainer.evaluate()
     metrics = {"before": before, "after": after, "protocol": cfg.train.eval_protocol}
-    ckpt.write_json(run_dir / "metrics.json", metrics)
+    if main:
+        ckpt.write_json(run_dir / "metrics.json", metrics)
     print_table({"before": before, "after": after}, cfg.train.eval_protocol)
+    dist.barrier()
     return metrics
 
 

@@ -8,15 +8,32 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..distributed import get_rank, get_world_size
 from .base import Batch
 from .sampler import sample_epoch
 from .splits import gcd_split
 
 
 class InMemoryGCD:
-    """`GCDSource` over tensors: images uint8 [N, C, H, W], remapped targets, labelled mask; uq = row index."""
+    """`GCDSource` over tensors: images uint8 [N, C, H, W], remapped targets, labelled mask; uq = row index.
 
-    def __init__(self, images: Tensor, targets: Tensor, labelled: Tensor, n_old: int, labelled_share: float | None):
+    Under `torch.distributed` (or with explicit `rank`/`world_size`) each rank gets its share: the feature pass walks
+    the contiguous rows `[N·r/W, N·(r+1)/W)`, so the shares concatenated in rank order are the uq order and the
+    distributed k-means sees the points exactly as one process does; training draws one global epoch order (same
+    seeded generator on every rank) and rank r takes rows `[r·B, (r+1)·B)` of each global batch of `B·W`, so ranks
+    never share a sample within a step and all run `N // (B·W)` steps. `B` (`batch_size`) is per rank.
+    """
+
+    def __init__(
+        self,
+        images: Tensor,
+        targets: Tensor,
+        labelled: Tensor,
+        n_old: int,
+        labelled_share: float | None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ):
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"images must be uint8 [N, C, H, W], got {images.dtype} {tuple(images.shape)}")
         if not (len(images) == len(targets) == len(labelled)):
@@ -29,25 +46,44 @@ class InMemoryGCD:
         self.n_train, self.n_old = len(images), n_old
         self.n_classes = int(self.targets.max()) + 1
         self.labelled_share = labelled_share
+        if (rank is None) != (world_size is None) or (rank is not None and not 0 <= rank < world_size):
+            raise ValueError(f"rank and world_size go together, 0 <= rank < world_size: got {rank}, {world_size}")
+        self._rank, self._world_size = rank, world_size
+
+    @property
+    def rank(self) -> int:
+        return self._rank if self._rank is not None else get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size if self._world_size is not None else get_world_size()
 
     def _batch(self, idx: Tensor) -> Batch:
         return Batch(self.images[idx], self.targets[idx], idx, self.labelled[idx])
 
     def feature_batches(self, batch_size: int) -> Iterator[Batch]:
-        for start in range(0, self.n_train, batch_size):
-            yield self._batch(torch.arange(start, min(start + batch_size, self.n_train)))
+        """This rank's contiguous share of the train set once, in uq order (all of it with one process)."""
+        n, r, w = self.n_train, self.rank, self.world_size
+        lo, hi = n * r // w, n * (r + 1) // w
+        for start in range(lo, hi, batch_size):
+            yield self._batch(torch.arange(start, min(start + batch_size, hi)))
 
     def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
+        """`n_train // (batch_size * world_size)` batches of `batch_size`: this rank's slice of each global batch."""
         gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
         order = sample_epoch(self.labelled, self.n_train, self.labelled_share, gen)
-        for start in range(0, self.n_train - batch_size + 1, batch_size):
+        step = batch_size * self.world_size
+        for start in range(self.rank * batch_size, self.n_train - step + 1 + self.rank * batch_size, step):
             yield self._batch(order[start : start + batch_size])
 
     def subset(self, n: int) -> InMemoryGCD:
         """The first `n` samples (uq renumbered 0..n-1), for smoke runs."""
         if not 0 < n <= self.n_train:
             raise ValueError(f"subset size must be in 1..{self.n_train}, got {n}")
-        return InMemoryGCD(self.images[:n], self.targets[:n], self.labelled[:n], self.n_old, self.labelled_share)
+        return InMemoryGCD(
+            self.images[:n], self.targets[:n], self.labelled[:n], self.n_old, self.labelled_share,
+            self._rank, self._world_size,
+        )  # fmt: skip
 
 
 def digits(
