@@ -50,6 +50,19 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tree(args: argparse.Namespace) -> int:
+    from .checkpoint import write_json
+    from .engine import code_tree
+    from .tree import format_tree
+
+    tree = code_tree(args.run, args.depth)
+    out = Path(args.json) if args.json else Path(args.run) / "tree.json"
+    write_json(out, tree)
+    print(format_tree(tree))
+    print(f"wrote {out}")
+    return 0
+
+
 def _make_shards(args: argparse.Namespace) -> int:
     return shards.run_cli(args)
 
@@ -69,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="recompute All/Old/New accuracy from a run's checkpoint")
     p.add_argument("--run", required=True, metavar="RUN_DIR")
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("tree", help="the implicit category tree of a run's learned codes")
+    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    p.add_argument("--depth", type=int, default=6, help="deepest code prefix shown (default 6)")
+    p.add_argument("--json", help="where to write the tree (default RUN_DIR/tree.json)")
+    p.set_defaults(func=_tree)
 
     p = sub.add_parser("make-shards", help="write a dataset's GCD split as WebDataset shards")
     shards.add_cli_arguments(p)

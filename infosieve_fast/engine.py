@@ -31,6 +31,7 @@ from .loss import InfoSieveLoss
 from .metrics import evaluate_split
 from .model import Backbone, InfoSieve
 from .schedule import epoch_schedule
+from .tree import build_tree, code_strings
 
 
 class NonFiniteLoss(RuntimeError):
@@ -112,10 +113,11 @@ class Trainer:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     @torch.no_grad()
-    def extract_features(self, view: str, seed: int = 0) -> FeatureSet:
+    def extract_features(self, view: str, seed: int = 0, embed: Callable[[Tensor], Tensor] | None = None) -> FeatureSet:
         """Backbone features of this rank's share of the train samples: `view="train"` (augmented view 0, as the
         reference's pseudo-labelling pass) or `"test"` (centre crop, as its evaluation). Checks that the shares
-        together hold every train sample exactly once."""
+        together hold every train sample exactly once. `embed` replaces the backbone features (e.g. by codes)."""
+        embed = embed or self.model.features
         dist.broadcast_buffers(self.model)  # e.g. BatchNorm statistics: each rank's last DDP forward left its own
         self.model.eval()
         gen = self._generator(rank_seed(seed))
@@ -128,7 +130,7 @@ class Trainer:
                 else self.augment.test_view(batch.images)
             )
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                f = self.model.features(x)
+                f = embed(x)
             parts.append((f, batch.targets, batch.labelled, batch.uq))
         self.model.train()
         if parts:
@@ -343,3 +345,21 @@ def evaluate_run(run_dir: str | Path) -> dict[str, float]:
     trainer = Trainer(from_dict(state["config"]))
     trainer.model.load_state_dict(state["model"])
     return trainer.evaluate()
+
+
+def code_tree(run_dir: str | Path, max_depth: int = 8) -> dict:
+    """The implicit category tree of a run's checkpoint: codes of the train samples (test view), cut by the mask."""
+    from .config import from_dict
+
+    state = ckpt.load_checkpoint(run_dir)
+    cfg = from_dict(state["config"])
+    trainer = Trainer(cfg)
+    trainer.model.load_state_dict(state["model"])
+
+    def codes(x: Tensor) -> Tensor:
+        head = trainer.model(x).head
+        return torch.cat([head.code_raw, head.mask], dim=1).float()
+
+    fs = trainer.extract_features("test", embed=codes)
+    length = cfg.model.code_length
+    return build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)

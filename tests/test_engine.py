@@ -48,6 +48,10 @@ def test_two_epoch_demo_run_writes_its_folder_and_resume_reproduces_it(tmp_path)
     assert resumed == full
 
     assert cli.main(["eval", "--run", str(run)]) == 0
+    assert cli.main(["tree", "--run", str(run), "--depth", "3"]) == 0
+    tree = json.loads((run / "tree.json").read_text())
+    assert tree["n"] == 320 and sum(tree["classes"].values()) == 320  # every train sample sits at the root
+    assert sum(c["n"] for c in tree["children"]) + tree["ends"] == 320  # and in exactly one child or ends there
 
 
 def test_refuses_to_overwrite_a_run_folder(tmp_path):
