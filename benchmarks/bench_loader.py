@@ -9,8 +9,15 @@ A *view* is one augmented 224x224 image delivered as part of a normalised float3
 - stream: `ShardSource` streaming (threshold 0) with `--workers` decode workers; `DeviceAugment` makes the two views
   from each decoded uint8 batch in the main process (here on the CPU: "the device").
 - memory: `ShardSource` in memory (decoded once, time reported apart as `memory_decode_s`), same augmentation.
-Each pipeline runs `--warmup` batches untimed, then `--batches` timed ones. The main process runs with
-`torch.set_num_threads(--threads)` for all three. The shards are written once into `--shards` (reused when complete).
+Each pipeline runs `--warmup` batches untimed, then `--batches` timed ones, from a fresh loader (epoch 0) each time;
+with the defaults (3 + 50 batches of 128 over cub100's 5,902 images: 46 batches an epoch) every timed run crosses one
+epoch boundary, so the streaming path's per-epoch restart (new workers, shuffle buffer fill) is paid as in training.
+The three run in turn, `--repeats` rounds (the machine may be shared: interleaving spreads any outside load over all
+three); the result is each pipeline's median views/s over the rounds, the ratios are of the medians, and every
+round's numbers are listed under `rounds`. Threads of the main process (`torch.set_num_threads`): `--threads` (1) for
+the reference and the stream, whose worker processes need the cores, and `--memory-threads` (all cores) for the
+in-memory path, where no worker runs and the augmentation is the only work (as the reference's workers, it gets the
+machine). The shards are written once into `--shards` (JPEG, the default format; reused when complete).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -76,6 +84,7 @@ def _timed(batches, warmup: int, n: int, views_of) -> tuple[float, int]:
 
 
 def bench_reference(data: Path, args) -> float:
+    torch.set_num_threads(args.threads)
     raw = read_dataset("cubfiles", data)
     ds = ReferenceDataset(raw.train, raw.train_labels.tolist())
     loader = torch.utils.data.DataLoader(
@@ -95,13 +104,8 @@ def bench_reference(data: Path, args) -> float:
     return views / dt
 
 
-def bench_shards(shards: Path, args, memory: bool) -> tuple[float, float]:
-    src = ShardSource(shards, memory_threshold_mb=1e12 if memory else 0, num_workers=args.workers)
-    decode_s = 0.0
-    if memory:
-        t0 = time.perf_counter()
-        src.load()
-        decode_s = time.perf_counter() - t0
+def bench_shards(src: ShardSource, args, threads: int) -> float:
+    torch.set_num_threads(threads)
     aug = DeviceAugment(AugmentConfig())
     gen = torch.Generator().manual_seed(0)
 
@@ -117,7 +121,7 @@ def bench_shards(shards: Path, args, memory: bool) -> tuple[float, float]:
         return views.shape[0]
 
     dt, views = _timed(forever(), args.warmup, args.batches, views_of)
-    return views / dt, decode_s
+    return views / dt
 
 
 def main() -> None:
@@ -126,10 +130,14 @@ def main() -> None:
     p.add_argument("--json", required=True, help="where to write the results")
     p.add_argument("--shards", default=None, help="shards folder (default: a folder under the temp dir, reused)")
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--batches", type=int, default=20)
+    p.add_argument("--batches", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="main-process threads for the reference and the stream")
+    p.add_argument(
+        "--memory-threads", type=int, default=os.cpu_count() or 1, help="main-process threads, in-memory path"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="rounds of (reference, stream, memory); medians reported")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     data = Path(args.data).resolve()
@@ -138,9 +146,22 @@ def main() -> None:
     t0 = time.perf_counter()
     make_shards("cubfiles", data, shards, workers=args.workers, progress=False)
     make_s = time.perf_counter() - t0
-    ref = bench_reference(data, args)
-    stream, _ = bench_shards(shards, args, memory=False)
-    memory, decode_s = bench_shards(shards, args, memory=True)
+    stream_src = ShardSource(shards, memory_threshold_mb=0, num_workers=args.workers)
+    memory_src = ShardSource(shards, memory_threshold_mb=1e12, num_workers=args.workers)
+    t0 = time.perf_counter()
+    memory_src.load()
+    decode_s = time.perf_counter() - t0
+    rounds = []
+    for r in range(args.repeats):
+        one = {"loadavg_before": round(os.getloadavg()[0], 2)}
+        one["reference"] = round(bench_reference(data, args), 1)
+        one["stream"] = round(bench_shards(stream_src, args, args.threads), 1)
+        one["memory"] = round(bench_shards(memory_src, args, args.memory_threads), 1)
+        one["stream_vs_reference"] = round(one["stream"] / one["reference"], 2)
+        one["memory_vs_reference"] = round(one["memory"] / one["reference"], 2)
+        rounds.append(one)
+        print(f"round {r + 1}/{args.repeats}: {json.dumps(one)}", file=sys.stderr, flush=True)
+    ref, stream, memory = (statistics.median(x[k] for x in rounds) for k in ("reference", "stream", "memory"))
     result = {
         "reference": round(ref, 1),
         "stream": round(stream, 1),
@@ -149,6 +170,9 @@ def main() -> None:
         "memory_vs_reference": round(memory / ref, 2),
         "targets": {"stream_vs_reference": 3.0, "memory_vs_reference": 10.0},
         "unit": "views/s (one view = one augmented 224x224 normalised float32 image; 2 views per image)",
+        "command": " ".join(["python", "benchmarks/bench_loader.py", *sys.argv[1:]]),
+        "statistic": f"median over {args.repeats} interleaved rounds (see rounds)",
+        "rounds": rounds,
         "make_shards_s": round(make_s, 1),
         "memory_decode_s": round(decode_s, 1),
         "settings": {
@@ -156,8 +180,10 @@ def main() -> None:
             "batch_size": args.batch_size,
             "batches": args.batches,
             "warmup": args.warmup,
+            "repeats": args.repeats,
             "workers": args.workers,
             "main_threads": args.threads,
+            "memory_main_threads": args.memory_threads,
         },
         "machine": {
             "cpus": os.cpu_count(),

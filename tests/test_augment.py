@@ -115,3 +115,19 @@ def test_buffer_pool_shapes_and_numpy_holders():
     c = pool.get((3, 4), torch.float32)
     assert c.data_ptr() != b.data_ptr()
     assert pool.get((2, 2), torch.uint8).shape == (2, 2)  # another shape: a new buffer, the oldest dropped
+
+
+def test_threaded_cpu_views_equal_serial_and_keep_the_thread_setting():
+    """With torch.get_num_threads() > 1 the CPU views are split over Python threads: same output, setting untouched."""
+    x = _images(16, 40, 40)
+    aug = DeviceAugment(AugmentConfig(crop_size=32))
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = aug.train_views(x, 2, torch.Generator().manual_seed(7)).clone()
+        torch.set_num_threads(2)
+        threaded = aug.train_views(x, 2, torch.Generator().manual_seed(7))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(serial, threaded)

@@ -6,6 +6,9 @@ and is the identity, so colour jitter is off by default (REFERENCE.md §4).
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,47 @@ class AugmentConfig:
     color_jitter: float = 0.0  # strength s: brightness/contrast/saturation factors drawn from [1-s, 1+s]
 
 
+_THREAD_POOLS: dict[tuple[int, int], ThreadPoolExecutor | None] = {}  # (pid, n): a forked child makes its own
+_THREAD_POOLS_LOCK = threading.Lock()
+
+
+def cpu_threads(n: int) -> ThreadPoolExecutor | None:
+    """`n` Python threads (per process, shared) whose torch ops run single-threaded: the CPU view loop, the in-memory
+    batch prefetch.
+
+    Splitting the views over threads instead of running every per-view op on torch's intra-op (OpenMP) team: one
+    fork-join per op is fine on an idle machine but collapses when another process holds a core (each of the ~770
+    parallel regions per batch then waits for a descheduled team member: measured 80 ms -> 6 s on this 2-core box);
+    independent threads degrade gracefully. The threads' own OpenMP team size is set to 1 once, at start (torch reads
+    its global setting lazily per thread: set it to 1, make the thread read it, then restore the caller's value).
+    None if the threads cannot be started (the caller then works alone).
+    """
+    key = (os.getpid(), n)
+    with _THREAD_POOLS_LOCK:
+        if key not in _THREAD_POOLS:
+            saved = torch.get_num_threads()
+            started = threading.Barrier(n, timeout=30)
+
+            def init() -> None:
+                torch.set_num_threads(1)
+                torch.get_num_threads()  # this thread's lazy init happens now, with 1
+                started.wait()  # all n threads exist and are initialised before the caller's setting is restored
+
+            pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+                n, thread_name_prefix="infosieve-views", initializer=init
+            )
+            try:
+                for f in [pool.submit(int) for _ in range(n)]:
+                    f.result()
+            except Exception:  # pragma: no cover - threads unavailable
+                pool.shutdown(wait=False)
+                pool = None
+            finally:
+                torch.set_num_threads(saved)
+            _THREAD_POOLS[key] = pool
+        return _THREAD_POOLS[key]
+
+
 class BufferPool:
     """Reusable CPU tensors for large per-batch outputs (views, gathered batches).
 
@@ -37,6 +81,7 @@ class BufferPool:
     def __init__(self, size: int = 2):
         self.size = size
         self._bufs: list[tuple[Tensor, int]] = []  # (buffer, storage use count when only the pool holds it)
+        self._lock = threading.Lock()  # get() may be called from a prefetch thread
 
     @staticmethod
     def _uses(t: Tensor) -> int | None:
@@ -48,18 +93,19 @@ class BufferPool:
     def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """An uninitialised CPU tensor of `shape` and `dtype` that no live tensor shares memory with."""
         shape = tuple(int(d) for d in shape)
-        for i, (buf, idle) in enumerate(self._bufs):
-            if buf.shape == shape and buf.dtype == dtype and self._uses(buf) == idle:
-                self._bufs.append(self._bufs.pop(i))  # most recently used last
-                return buf.view(shape)
-        buf = torch.empty(shape, dtype=dtype)
-        idle = self._uses(buf)
-        if idle is not None:
+        with self._lock:
+            for i, (buf, idle) in enumerate(self._bufs):
+                if buf.shape == shape and buf.dtype == dtype and self._uses(buf) == idle:
+                    self._bufs.append(self._bufs.pop(i))  # most recently used last
+                    return buf.view(shape)
+            buf = torch.empty(shape, dtype=dtype)
+            idle = self._uses(buf)
+            if idle is None:
+                return buf
             self._bufs.append((buf, idle))
             if len(self._bufs) > self.size:
                 self._bufs.pop(0)
             return buf.view(shape)
-        return buf
 
 
 class DeviceAugment:
@@ -156,16 +202,29 @@ class DeviceAugment:
     ) -> Tensor:
         """CPU path: view i = crop (tops[i], lefts[i]) of image i % B, flipped if flips[i]; each crop is a slice of
         the uint8 batch, converted into its row of the output and scaled in place while in cache (normalised, or
-        float32 in [0, 1])."""
+        float32 in [0, 1]). With `torch.get_num_threads()` = k > 1 the views are split over k threads."""
         b, ch = images.shape[:2]
         c = self.cfg.crop_size
-        out = self._pool.get((n_views * b, ch, c, c), torch.float32)
+        n = n_views * b
+        out = self._pool.get((n, ch, c, c), torch.float32)
         a, bias = self._scale_bias(images.device, normalise)
-        for i, (t, l, f) in enumerate(zip(tops, lefts, flips, strict=True)):
-            view = images[i % b, :, t : t + c, l : l + c]
-            o = out[i]
-            o.copy_(view.flip(-1) if f else view)
-            o.mul_(a).add_(bias)
+
+        def fill(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                t, l = tops[i], lefts[i]
+                view = images[i % b, :, t : t + c, l : l + c]
+                o = out[i]
+                o.copy_(view.flip(-1) if flips[i] else view)
+                o.mul_(a).add_(bias)
+
+        k = min(torch.get_num_threads(), n // 8)
+        threads = cpu_threads(k) if k > 1 else None
+        if threads is not None:
+            bounds = [n * j // k for j in range(k + 1)]
+            for f in [threads.submit(fill, lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]:
+                f.result()
+        else:
+            fill(0, n)
         return out
 
     def _jitter(self, x: Tensor, generator: torch.Generator) -> Tensor:

@@ -29,7 +29,11 @@ compacted (native index minus the number of skipped ones before it) so that they
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import re
 import sys
+import tarfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .augment import BufferPool
+from .augment import BufferPool, cpu_threads
 from .base import Batch
 from .sampler import reference_labelled_share, sample_epoch
 
@@ -60,6 +64,97 @@ def _handler(exn: Exception) -> bool:
     """webdataset exception handler: report and go on with the next sample or shard."""
     _report(f"skipped unreadable shard data: {type(exn).__name__}: {exn}")
     return True
+
+
+# ---- tar reading ------------------------------------------------------------------------------------------------
+# A plain-Python tar reader over mmap: about 6x faster than webdataset's (`tarfile` parses every header field of every
+# member: ~0.1 ms per sample, a third of a worker's time when it decodes 0.3 ms JPEGs, and in split-by-sample mode
+# every worker parses every sample). It reads what `tarfile` writes (ustar, GNU long names, pax headers) and groups
+# members into samples exactly as webdataset does (key = path up to the first dot of the file name, lower-case
+# extension). `TAR_READER = "webdataset"` switches back to webdataset's reader.
+
+TAR_READER = "fast"
+_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
+
+
+def _octal(field: bytes) -> int:
+    if field[:1] and field[0] & 0x80:
+        raise tarfile.ReadError("base-256 numeric header fields are not supported")
+    text = field.split(b"\0", 1)[0].strip()
+    return int(text, 8) if text else 0
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    out, pos = {}, 0
+    while pos < len(data):
+        space = data.index(b" ", pos)
+        length = int(data[pos:space])
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        out[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return out
+
+
+def tar_members(path: str) -> Iterator[tuple[str, bytes]]:
+    """(name, data) of every regular file in the tar at `path`, in order; a damaged or truncated archive raises
+    `tarfile.ReadError` after the members before the damage."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise tarfile.ReadError("empty file")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        pos, long_name, pax = 0, None, {}
+        while pos + 512 <= size:
+            hdr = mm[pos : pos + 512]
+            if hdr.count(0) == 512:
+                return  # end-of-archive marker
+            if _octal(hdr[148:156]) != sum(hdr) - sum(hdr[148:156]) + 256:
+                raise tarfile.ReadError(f"bad header checksum at byte {pos:,}: damaged archive")
+            n = _octal(hdr[124:136])
+            kind = hdr[156:157]
+            start, pos = pos + 512, pos + 512 + (n + 511) // 512 * 512
+            if start + n > size:
+                raise tarfile.ReadError(f"member at byte {start - 512:,} ends after the end of the file: truncated")
+            if kind == b"L":  # GNU long name of the next member
+                long_name = mm[start : start + n].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                continue
+            if kind in (b"x", b"g"):  # pax header (per member / global)
+                if kind == b"x":
+                    pax = _pax_records(mm[start : start + n])
+                continue
+            if kind not in (b"0", b"\0", b"7"):  # directories, links, ...: not sample data
+                long_name, pax = None, {}
+                continue
+            name = hdr[0:100].split(b"\0", 1)[0]
+            if hdr[257:262] == b"ustar" and hdr[345:346] != b"\0":
+                name = hdr[345:500].split(b"\0", 1)[0] + b"/" + name
+            name = pax.get("path") or long_name or name.decode("utf-8", "surrogateescape")
+            if "size" in pax:
+                raise tarfile.ReadError("pax size override is not supported")
+            long_name, pax = None, {}
+            yield name, mm[start : start + n]
+        if pos < size:
+            raise tarfile.ReadError(f"{size - pos} stray bytes at the end: truncated")
+    finally:
+        mm.close()
+
+
+def tar_samples(path: str) -> Iterator[dict]:
+    """The samples of one shard: dicts of extension -> bytes, plus `__key__` and `__url__` (as webdataset's)."""
+    sample: dict | None = None
+    for name, data in tar_members(path):
+        m = _KEY_EXT.match(name)
+        if m is None:
+            continue
+        key, ext = m.group(1), m.group(2).lower()
+        if sample is None or sample["__key__"] != key or ext in sample:
+            if sample is not None:
+                yield sample
+            sample = {"__key__": key, "__url__": path}
+        sample[ext] = data
+    if sample is not None:
+        yield sample
 
 
 IMAGE_KEYS = ("jpg", "png")  # a sample's image, by the shards' --image-format
@@ -123,10 +218,21 @@ class _Stream(IterableDataset):
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         return self.rank * nw + wid, self.world * nw
 
+    @staticmethod
+    def _raw_samples(urls: list[str]) -> Iterator[dict]:
+        if TAR_READER == "webdataset":
+            if wds is None:
+                raise ImportError("TAR_READER = 'webdataset' needs the webdataset package: pip install webdataset")
+            yield from wds.tariterators.tarfile_samples([{"url": u} for u in urls], handler=_handler)
+            return
+        for url in urls:
+            try:
+                yield from tar_samples(url)
+            except Exception as exn:  # a missing, truncated or damaged shard: report, go on with the next one
+                _report(f"skipped unreadable shard data in {url}: {type(exn).__name__}: {exn}")
+
     def _samples(self, urls: list[str]) -> Iterator[dict]:
-        if wds is None:
-            raise ImportError("streaming from shards needs the webdataset package: pip install webdataset")
-        for sample in wds.tariterators.tarfile_samples([{"url": u} for u in urls], handler=_handler):
+        for sample in self._raw_samples(urls):
             if not all(k in sample for k in ("cls", "uq", "lab")) or not any(k in sample for k in IMAGE_KEYS):
                 _report(f"skipped incomplete sample {sample.get('__key__')} in {sample.get('__url__')}")
                 continue
@@ -284,7 +390,7 @@ class ShardSource:
         self.decoded_mb = self.n_train * 3 * self.size * self.size / 2**20
         self.in_memory = self.decoded_mb <= memory_threshold_mb
         self._mem: dict | None = None
-        self._pool = BufferPool(2)  # in-memory batches (CPU)
+        self._pool = BufferPool(3)  # in-memory batches (CPU): the caller's current and previous ones, the next one
         self._test: ShardSource | None = None
 
     # ---- checks -------------------------------------------------------------------------------------------------
@@ -463,8 +569,7 @@ class ShardSource:
     def _memory_exact(self, batch_size: int) -> Iterator[Batch]:
         self.load()
         mine = self._mem["present"][self.rank :: self.world_size]
-        for start in range(0, len(mine), batch_size):
-            yield self._memory_batch(mine[start : start + batch_size])
+        yield from self._lookahead(mine[start : start + batch_size] for start in range(0, len(mine), batch_size))
 
     def _memory_train(self, batch_size: int, epoch: int, seed: int, n_batches: int) -> Iterator[Batch]:
         self.load()
@@ -476,6 +581,21 @@ class ShardSource:
             pos = torch.randperm(len(present), generator=gen)
         order = present[pos]
         step = batch_size * self.world_size
-        for b in range(n_batches):
-            start = b * step + self.rank * batch_size
-            yield self._memory_batch(order[start : start + batch_size])
+        rows = (order[b * step + self.rank * batch_size :][:batch_size] for b in range(n_batches))
+        yield from self._lookahead(rows)
+
+    def _lookahead(self, rows: Iterator[Tensor]) -> Iterator[Batch]:
+        """`_memory_batch` of each index set; on the CPU the next batch is gathered in a background thread while the
+        caller works on the current one (the gather is ~10% of an in-memory training step on the CPU)."""
+        threads = cpu_threads(1) if self._mem["images"].device.type == "cpu" else None
+        if threads is None:
+            yield from map(self._memory_batch, rows)
+            return
+        pending = None
+        for idx in rows:
+            nxt = threads.submit(self._memory_batch, idx)
+            if pending is not None:
+                yield pending.result()
+            pending = nxt
+        if pending is not None:
+            yield pending.result()
