@@ -112,3 +112,74 @@ def test_device_in_memory(shards, device):
     batch = next(iter(src.train_batches(8, epoch=0, seed=0)))
     assert batch.images.device.type == device.type and batch.uq.device.type == device.type
     assert batch.images.shape == (8, 3, 64, 64)
+
+
+def _wds_samples(path: str) -> list[dict]:
+    import webdataset as wds
+
+    return [{k: v for k, v in s.items() if k != "__local_path__"}
+            for s in wds.tariterators.tarfile_samples([{"url": path}])]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["shard", "pax", "gnu", "ustar"])
+def test_tar_reader_matches_webdataset(shards, tmp_path, fmt):
+    """The stream's own tar reader groups members into samples exactly as webdataset does, for make-shards' tars and
+    for what `tarfile` writes in each format (long names, pax headers, directories)."""
+    import io
+    import tarfile
+
+    from infosieve_fast.data.stream import tar_samples
+
+    if fmt == "shard":
+        path = str(next(iter(sorted(shards["one"].glob("*-train-*.tar")))))
+    else:
+        path = str(tmp_path / "t.tar")
+        with tarfile.open(path, "w", format={"pax": tarfile.PAX_FORMAT, "gnu": tarfile.GNU_FORMAT,
+                                             "ustar": tarfile.USTAR_FORMAT}[fmt]) as tar:  # fmt: skip
+            tar.addfile(_dir_info())
+            prefix = "deep/" * 30 if fmt != "ustar" else "sub/"
+            for i in range(4):
+                for ext, data in (("JPG", b"\xff" * (700 + i)), ("cls", b"%d" % i), ("uq", b"%d" % (10 + i))):
+                    info = tarfile.TarInfo(f"{prefix}k{i:03d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    ours = [dict(s) for s in tar_samples(path)]
+    assert ours == _wds_samples(path) and len(ours) >= 4
+
+
+def _dir_info():
+    import tarfile
+
+    info = tarfile.TarInfo("a-directory")
+    info.type = tarfile.DIRTYPE
+    return info
+
+
+def test_tar_reader_damage(shards, tmp_path):
+    """A truncated or corrupted shard: the samples before the damage, then `tarfile.ReadError`."""
+    import tarfile
+
+    from infosieve_fast.data.stream import tar_samples
+
+    shard = next(iter(sorted(shards["one"].glob("*-train-*.tar"))))
+    src = shard.read_bytes()
+    whole = list(tar_samples(str(shard)))
+    with tarfile.open(shard) as tar:
+        hdr = tar.getmembers()[41].offset  # a header in the middle
+    for name, data in [("cut.tar", src[: len(src) // 2]), ("bad.tar", src[:hdr] + b"x" * 512 + src[hdr + 512 :])]:
+        (tmp_path / name).write_bytes(data)
+        got = []
+        with pytest.raises(tarfile.ReadError):
+            for s in tar_samples(str(tmp_path / name)):
+                got.append(s)
+        assert 0 < len(got) < len(whole) and all(
+            g == {**w, "__url__": g["__url__"]} for g, w in zip(got, whole, strict=False)
+        )
+
+
+def test_webdataset_reader_still_works(shards, monkeypatch):
+    import infosieve_fast.data.stream as stream
+
+    monkeypatch.setattr(stream, "TAR_READER", "webdataset")
+    src = ShardSource(shards["many"], memory_threshold_mb=0, num_workers=0)
+    assert sorted(_uqs(src.feature_batches(64))) == list(range(N))

@@ -81,7 +81,10 @@ def _octal(field: bytes) -> int:
     if field[:1] and field[0] & 0x80:
         raise tarfile.ReadError("base-256 numeric header fields are not supported")
     text = field.split(b"\0", 1)[0].strip()
-    return int(text, 8) if text else 0
+    try:
+        return int(text, 8) if text else 0
+    except ValueError:
+        raise tarfile.ReadError(f"invalid number {text[:12]!r} in a header: damaged archive") from None
 
 
 def _pax_records(data: bytes) -> dict[str, str]:
