@@ -5,7 +5,13 @@
 A *view* is one augmented 224x224 image delivered as part of a normalised float32 batch, as the trainer consumes it.
 - reference: an ImageFolder-style dataset over the JPEG files; per view PIL `Resize(256)` (bicubic) / `RandomCrop(224)`
   / `RandomHorizontalFlip` / `ColorJitter()` (a no-op, as in the reference) / `ToTensor` / `Normalize`; two views per
-  image; DataLoader with `--workers` workers, batch `--batch-size`, shuffled, drop_last.
+  image returned as a list (GCD's `ContrastiveLearningViewGenerator`), so the DataLoader (`--workers` workers, batch
+  `--batch-size`, shuffled, drop_last) yields a list of two [B, 3, 224, 224] batches, and the consumer makes the
+  view-major [2B, 3, 224, 224] batch the model takes with `torch.cat(images)` (REFERENCE.md §3: `CT.py:321`), in the
+  main process.
+- reference_stacked (reported for comparison; it is what this script measured before): the same transforms, the two
+  views stacked per sample in the worker, the batch flattened to [2B, ...] without a copy; its rows are sample-major
+  (image 0 view 0, image 0 view 1, ...), not the reference's view-major order, and it skips the `torch.cat`.
 - stream: `ShardSource` streaming (threshold 0) with `--workers` decode workers; `DeviceAugment` makes the two views
   from each decoded uint8 batch in the main process (here on the CPU: "the device").
 - memory: `ShardSource` in memory (decoded once, time reported apart as `memory_decode_s`), same augmentation.
@@ -45,12 +51,13 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class ReferenceDataset(torch.utils.data.Dataset):
-    """What the reference does: load the file, apply the full train transform twice."""
+    """What the reference does: load the file, apply the full train transform twice (a list of two views; `stacked`:
+    one [2, 3, 224, 224] tensor)."""
 
-    def __init__(self, paths: list[str], labels: list[int]):
+    def __init__(self, paths: list[str], labels: list[int], stacked: bool = False):
         from torchvision import transforms as T
 
-        self.paths, self.labels = paths, labels
+        self.paths, self.labels, self.stacked = paths, labels, stacked
         self.transform = T.Compose(
             [
                 T.Resize(256, interpolation=T.InterpolationMode.BICUBIC),
@@ -70,7 +77,8 @@ class ReferenceDataset(torch.utils.data.Dataset):
 
         with Image.open(self.paths[i]) as im:
             img = im.convert("RGB")
-        return torch.stack([self.transform(img), self.transform(img)]), self.labels[i], i
+        views = [self.transform(img), self.transform(img)]
+        return (torch.stack(views) if self.stacked else views), self.labels[i], i
 
 
 def _timed(batches, warmup: int, n: int, views_of) -> tuple[float, int]:
@@ -83,16 +91,16 @@ def _timed(batches, warmup: int, n: int, views_of) -> tuple[float, int]:
     return time.perf_counter() - t0, views
 
 
-def bench_reference(data: Path, args) -> float:
+def bench_reference(data: Path, args, stacked: bool = False) -> float:
     torch.set_num_threads(args.threads)
     raw = read_dataset("cubfiles", data)
-    ds = ReferenceDataset(raw.train, raw.train_labels.tolist())
+    ds = ReferenceDataset(raw.train, raw.train_labels.tolist(), stacked)
     loader = torch.utils.data.DataLoader(
         ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True, persistent_workers=True
     )
 
     def views_of(batch) -> int:
-        x = batch[0].flatten(0, 1)  # [B*2, 3, 224, 224]
+        x = batch[0].flatten(0, 1) if stacked else torch.cat(batch[0], dim=0)  # [2B, 3, 224, 224]
         assert x.dtype == torch.float32 and x.shape[-1] == 224
         return x.shape[0]
 
@@ -155,19 +163,27 @@ def main() -> None:
     for r in range(args.repeats):
         one = {"loadavg_before": round(os.getloadavg()[0], 2)}
         one["reference"] = round(bench_reference(data, args), 1)
+        one["reference_stacked"] = round(bench_reference(data, args, stacked=True), 1)
         one["stream"] = round(bench_shards(stream_src, args, args.threads), 1)
         one["memory"] = round(bench_shards(memory_src, args, args.memory_threads), 1)
         one["stream_vs_reference"] = round(one["stream"] / one["reference"], 2)
         one["memory_vs_reference"] = round(one["memory"] / one["reference"], 2)
+        one["stream_vs_reference_stacked"] = round(one["stream"] / one["reference_stacked"], 2)
+        one["memory_vs_reference_stacked"] = round(one["memory"] / one["reference_stacked"], 2)
         rounds.append(one)
         print(f"round {r + 1}/{args.repeats}: {json.dumps(one)}", file=sys.stderr, flush=True)
-    ref, stream, memory = (statistics.median(x[k] for x in rounds) for k in ("reference", "stream", "memory"))
+    ref, ref_stacked, stream, memory = (
+        statistics.median(x[k] for x in rounds) for k in ("reference", "reference_stacked", "stream", "memory")
+    )
     result = {
         "reference": round(ref, 1),
         "stream": round(stream, 1),
         "memory": round(memory, 1),
         "stream_vs_reference": round(stream / ref, 2),
         "memory_vs_reference": round(memory / ref, 2),
+        "reference_stacked": round(ref_stacked, 1),
+        "stream_vs_reference_stacked": round(stream / ref_stacked, 2),
+        "memory_vs_reference_stacked": round(memory / ref_stacked, 2),
         "targets": {"stream_vs_reference": 3.0, "memory_vs_reference": 10.0},
         "unit": "views/s (one view = one augmented 224x224 normalised float32 image; 2 views per image)",
         "command": " ".join(["python", "benchmarks/bench_loader.py", *sys.argv[1:]]),

@@ -209,11 +209,14 @@ class DeviceAugment:
         out = self._pool.get((n, ch, c, c), torch.float32)
         a, bias = self._scale_bias(images.device, normalise)
 
+        rows = out.unbind(0)
+        s0, s1, s2, s3 = images.stride()
+        base = images.storage_offset()
+
         def fill(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                t, l = tops[i], lefts[i]
-                view = images[i % b, :, t : t + c, l : l + c]
-                o = out[i]
+            for i in range(lo, hi):  # view = images[i % b, :, t : t + c, l : l + c], in one call
+                view = images.as_strided((ch, c, c), (s1, s2, s3), base + (i % b) * s0 + tops[i] * s2 + lefts[i] * s3)
+                o = rows[i]
                 o.copy_(view.flip(-1) if flips[i] else view)
                 o.mul_(a).add_(bias)
 
