@@ -157,8 +157,8 @@ class Trainer:
         table[fs.all_uq] = gathered
         return table
 
-    def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Tensor:
-        """SS-k-means cluster id of every train sample, indexed by uq (complete on every rank)."""
+    def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> tuple[Tensor, float]:
+        """SS-k-means cluster id of every train sample, indexed by uq (complete on every rank), and the inertia."""
         k = self.cfg.kmeans
         lab = fs.labelled
         result = semi_supervised_kmeans(
@@ -171,14 +171,13 @@ class Trainer:
         n_lab = int(lab.sum())
         mine[lab.nonzero().squeeze(1)] = labels[:n_lab]
         mine[(~lab).nonzero().squeeze(1)] = labels[n_lab:]
-        self._last_inertia = float(result.inertia)
-        return self.gather_table(fs, mine)
+        return self.gather_table(fs, mine), float(result.inertia)
 
     def evaluate(self) -> dict[str, float]:
         """All/Old/New accuracy of SS-k-means on test-view backbone features, on the unlabelled train samples (all
         ranks' shares: every rank returns the same numbers)."""
         fs = self.extract_features("test")
-        preds = self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced)
+        preds, _ = self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced)
         targets = self.gather_table(fs, fs.targets)
         unl = ~self.gather_table(fs, fs.labelled.long()).bool()
         y = targets[unl]
@@ -195,8 +194,7 @@ class Trainer:
             group["lr"] = sched.lr
 
         fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
-        pseudo = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
-        inertia = self._last_inertia
+        pseudo, inertia = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
 
         gen = self._generator(rank_seed(epoch_seed(cfg.train.seed, epoch, 3)))
         sums: dict[str, Tensor] = {}

@@ -45,11 +45,9 @@ def _spy(calls: list, totals: list) -> None:
     cluster, loss_call = eng.Trainer.cluster, InfoSieveLoss.__call__
 
     def spy_cluster(self, fs, seed, balanced):
-        table = cluster(self, fs, seed, balanced)
-        calls.append(
-            {"fs": vars(fs), "seed": seed, "balanced": balanced, "table": table, "inertia": self._last_inertia}
-        )
-        return table
+        table, inertia = cluster(self, fs, seed, balanced)
+        calls.append({"fs": vars(fs), "seed": seed, "balanced": balanced, "table": table, "inertia": inertia})
+        return table, inertia
 
     def spy_loss(self, *args):
         total, parts = loss_call(self, *args)
