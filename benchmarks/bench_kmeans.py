@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.reference_kmeans import ReferenceSSKMeans, sqdist  # noqa: E402
+from benchmarks.provenance import device_name, git_state  # noqa: E402
+from benchmarks.published.kmeans import ReferenceSSKMeans, sqdist  # noqa: E402
 from infosieve_fast.kmeans import faiss_available, semi_supervised_kmeans  # noqa: E402
 
 CASES = {"a": (6000, 768, 200), "b": (127000, 768, 100)}
@@ -112,13 +112,14 @@ def main(argv=None):
     cases = args.cases.split(",")
     ref_inits = dict(zip(CASES, [int(x) for x in args.ref_inits.split(",")], strict=False))
     modes = args.modes.split(",")
+    commit, dirty = git_state()
     out = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "commit": commit, "dirty": dirty, "device": device_name(device),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "faiss": faiss_available(),
         "n_init": args.n_init, "max_iter": args.max_iter, "repeat": args.repeat, "command": " ".join(sys.argv),
         "ref_distance": args.ref_distance,
         "cases": {},
-        "notes": ("reference = benchmarks/reference_kmeans.py (loop-based transcription of REFERENCE.md 5.1/5.2) with "
+        "notes": ("reference = benchmarks/published/kmeans.py (loop-based transcription of REFERENCE.md 5.1/5.2) with "
                   "the chunk distance named by ref_distance: 'gemm' is faster than the published broadcast (a-b)^2 "
                   "form (see sqdist_chunk_seconds), so its speed-ups are conservative; 'broadcast' is as published. "
                   "Reference 'balanced' = InfoSieve's two-phase variant, compared with our balance='reference' "
@@ -150,9 +151,9 @@ def main(argv=None):
             print(c, "reference", name, ref, flush=True)
         out["cases"][c] = res
         print(json.dumps({c: res["speedup"]}), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        if args.json:  # after every case, so a run cut short keeps the cases it finished
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=2))
     return out
 
 

@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# One GPU check on a rented H100/H200 (issue 3): environment, kernel parity tests on CUDA, kernel benchmarks, and the
-# k-means benchmark if present. Every step has its own timeout (about 8 minutes in all); a failing step does not stop
-# the others, but the script exits non-zero at the end if any failed.
+# The GPU check (issues 3 and 8): one run of about 8 minutes on a rented H100/H200, from a clean committed tree.
 #
-#   bash benchmarks/gpu_check.sh [RESULTS_DIR]        # default: $RESULTS_DIR, else benchmarks/results
-#   RESULTS_DIR=$OUT bash benchmarks/gpu_check.sh     # the device tool returns only files written under $OUT
+#   GPU_CHECK_COMMIT=$(git rev-parse HEAD) RESULTS_DIR=$OUT bash benchmarks/gpu_check.sh
 #
-# Writes <card>-env.txt, <card>-tests.txt, <card>-kernels.json (+ .log), <card>-kmeans.json (+ .log),
-# <card>-demo.txt (a demo training run on CUDA) and <card>-summary.txt, where <card> is a slug of the GPU name (e.g. nvidia-h200). Wheels in .whl/, if any, are
-# installed into /tmp/site first (the machine has no package registry). Env: PYTHON (default python3),
-# KERNEL_BUDGET_S (bench_kernels' time budget, default 150).
+# The device tool copies the working tree without .git, so the caller names the commit (GPU_CHECK_COMMIT; and
+# GPU_CHECK_DIRTY=1 if the tree had uncommitted changes); with a .git folder it is read from git. Steps, in order of
+# importance, each under its own timeout (a failing step does not stop the others; the script exits non-zero at the
+# end if any failed):
+#   1. bench_train: the whole step (published fp32 / bf16 autocast / infosieve-fast default / + each off-by-default
+#      optimisation) and a CUB-size epoch against the published epoch, ViT-B/16 at 224, 128 samples per step;
+#   2. the demo run killed after epoch 1 and resumed on CUDA, against an uninterrupted run (tests/test_engine.py);
+#   3. a 12-epoch demo training run on CUDA;
+#   4. every kernel parity test on CUDA (pytest-xdist from .whl/ when carried);
+#   5. bench_kmeans on the GPU against the published k-means (its broadcast chunk distance) on the GPU.
+# Writes <card>-env.txt, -train.json (+ .log), -resume.txt, -demo.txt, -tests.txt, -kmeans.json (+ .log) and
+# -summary.txt into RESULTS_DIR (default benchmarks/results), <card> being a slug of the GPU's name. Wheels in .whl/ are
+# installed into /tmp/site first (the machine has no package registry).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 RESULTS=${1:-${RESULTS_DIR:-benchmarks/results}}
@@ -23,10 +29,20 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET INFOSIEVE_KERNELS  # real kernels, dispatch by device
 
+commit=${GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+if [ -n "${GPU_CHECK_DIRTY:-}" ]; then
+  dirty=$GPU_CHECK_DIRTY
+elif git rev-parse HEAD >/dev/null 2>&1; then
+  dirty=$([ -n "$(git status --porcelain)" ] && echo 1 || echo 0)
+else
+  dirty=unknown
+fi
+export INFOSIEVE_COMMIT=$commit INFOSIEVE_DIRTY=$dirty  # read by the benchmarks when git is absent
+
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 card=$(printf '%s' "${gpu_name:-unknown-gpu}" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+//; s/-+$//')
 summary="$RESULTS/$card-summary.txt"
-: >"$summary"
+echo "commit $commit dirty=$dirty" >"$summary"
 failed=0
 
 step() {  # step NAME SECONDS LOGFILE CMD...: run with a timeout, tee the output, record the outcome
@@ -48,7 +64,7 @@ step() {  # step NAME SECONDS LOGFILE CMD...: run with a timeout, tee the output
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | wc -l) uncommitted paths"
+  echo "commit: $commit dirty=$dirty"
   nvidia-smi || echo "nvidia-smi failed"
   "$PY" - <<'EOF'
 import platform
@@ -67,40 +83,24 @@ else:
 EOF
 } 2>&1 | tee "$RESULTS/$card-env.txt"
 
-# GPU_CHECK_SHORT=1: a ~3-minute version for a nearly spent device budget (parity subset, short kernel bench, 4-epoch demo).
-short=${GPU_CHECK_SHORT:-0}
+step "bench_train step + epoch (ViT-B/16)" 250 "$RESULTS/$card-train.log" \
+  "$PY" benchmarks/bench_train.py --device cuda --epoch --epoch-variants fast_default,fast_all \
+  --json "$RESULTS/$card-train.json"
 
-tests=()
-for t in tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests/test_compat.py; do
-  if [ -f "$t" ]; then tests+=("$t"); else echo "missing test file: $t" | tee -a "$summary"; failed=1; fi
-done
-if [ "$short" = 1 ]; then
-  step "parity subset (CUDA)" 45 "$RESULTS/$card-tests.txt" "$PY" -m pytest tests/test_kernels_contrastive.py \
-    -k "dtype0 or two_rows or paths_agree or dispatch" -q -rfEs -p no:cacheprovider
-elif [ "${#tests[@]}" -gt 0 ]; then
-  step "parity tests (CUDA)" 120 "$RESULTS/$card-tests.txt" "$PY" -m pytest "${tests[@]}" -q -rfEs -p no:cacheprovider
-fi
+step "kill after epoch 1 + resume (CUDA)" 75 "$RESULTS/$card-resume.txt" \
+  "$PY" -m pytest tests/test_engine.py -k "two_epoch and cuda" -q -rfEs -p no:cacheprovider
 
-[ "$short" = 1 ] && kernel_budget=45 || kernel_budget=${KERNEL_BUDGET_S:-150}
-step "bench_kernels" $((kernel_budget + 30)) "$RESULTS/$card-kernels.log" \
-  "$PY" benchmarks/bench_kernels.py --device cuda --budget-s "$kernel_budget" --json "$RESULTS/$card-kernels.json"
+step "demo training (CUDA)" 60 "$RESULTS/$card-demo.txt" "$PY" -m infosieve_fast.cli train --config configs/demo.yaml \
+  --out "/tmp/gpu-demo-$$" --set train.device=cuda
 
-if [ "$short" = 1 ]; then
-  echo "bench_kmeans: skipped (short mode)" | tee -a "$summary"
-elif [ -f benchmarks/bench_kmeans.py ]; then
-  help=$(timeout 30 "$PY" benchmarks/bench_kmeans.py --help 2>&1)
-  args=()
-  grep -q -- "--device" <<<"$help" && args+=(--device cuda)
-  grep -q -- "--json" <<<"$help" && args+=(--json "$RESULTS/$card-kmeans.json")
-  step "bench_kmeans" 70 "$RESULTS/$card-kmeans.log" "$PY" benchmarks/bench_kmeans.py "${args[@]}"
-else
-  echo "bench_kmeans: skipped (benchmarks/bench_kmeans.py not present)" | tee -a "$summary"
-fi
+xdist=()
+"$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+step "kernel parity tests (CUDA)" 110 "$RESULTS/$card-tests.txt" "$PY" -m pytest "${xdist[@]}" \
+  tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests/test_compat.py -q -rfEs -p no:cacheprovider
 
-# The whole training path on CUDA: bf16 autocast, the Triton kernels chosen by the dispatch, k-means on the GPU.
-[ "$short" = 1 ] && demo_epochs=4 demo_secs=60 || demo_epochs=12 demo_secs=120
-step "demo training (CUDA)" "$demo_secs" "$RESULTS/$card-demo.txt" "$PY" -m infosieve_fast.cli train --config configs/demo.yaml \
-  --out "/tmp/gpu-demo-$$" --set train.device=cuda --set schedule.epochs=$demo_epochs
+step "bench_kmeans vs published k-means (GPU)" 60 "$RESULTS/$card-kmeans.log" "$PY" benchmarks/bench_kmeans.py \
+  --device cuda --cases a,b --ref-inits 1,1 --ref-distance broadcast --modes plain,reference --repeat 1 \
+  --json "$RESULTS/$card-kmeans.json"
 
 echo "=== summary ($RESULTS)"
 cat "$summary"

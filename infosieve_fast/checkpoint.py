@@ -33,6 +33,16 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> Path:
     return path
 
 
+def rng_state() -> bytes:
+    """torch's CPU generator state as bytes: `map_location` moves tensors (a CUDA resume would put a tensor state on
+    the GPU, which `torch.set_rng_state` refuses) but leaves bytes where they are."""
+    return torch.get_rng_state().numpy().tobytes()
+
+
+def restore_rng_state(state: bytes) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
 def load_checkpoint(run_dir: str | Path, map_location="cpu") -> dict[str, Any]:
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():

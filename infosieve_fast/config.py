@@ -106,6 +106,11 @@ class TrainConfig:
     kernels: str = "auto"  # kernel backend: "auto" | "triton" | "torch"
     max_steps_per_epoch: int | None = None  # cap for smoke runs; null = a full epoch
     train_subset: int | None = None  # use only the first N train samples (smoke runs)
+    # Speed switches (docs/training.md). The step never waits for the GPU: the finiteness check and the progress-bar
+    # loss are read from the device every `check_every` steps (and at the end of the epoch).
+    check_every: int = 50
+    frozen_bf16: bool = False  # the frozen ViT prefix stored and run in plain bf16 instead of under autocast
+    compile: bool = False  # torch.compile the backbone blocks and the heads (CUDA only; compiles for ~1 min)
 
 
 @dataclass
@@ -182,7 +187,10 @@ def _coerce(value: Any, hint, key: str):
 
 
 def from_dict(values: dict) -> Config:
-    return _build(Config, values, "")
+    cfg = _build(Config, values, "")
+    if cfg.train.check_every < 1:
+        raise ConfigError(f"train.check_every must be >= 1 (steps between loss reads), got {cfg.train.check_every}")
+    return cfg
 
 
 def apply_overrides(values: dict, overrides: list[str]) -> dict:

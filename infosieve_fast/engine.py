@@ -23,11 +23,11 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from . import distributed as dist
 from .config import Config, save_config
-from .data import build_source
+from .data import InMemoryGCD, build_source
 from .data.augment import AugmentConfig, DeviceAugment
-from .data.base import GCDSource
+from .data.base import Batch, GCDSource
 from .kmeans import semi_supervised_kmeans
-from .loss import InfoSieveLoss
+from .loss import InfoSieveLoss, check_labelled_targets
 from .metrics import evaluate_split
 from .model import Backbone, InfoSieve
 from .schedule import epoch_schedule
@@ -36,6 +36,62 @@ from .tree import build_tree, code_strings
 
 class NonFiniteLoss(RuntimeError):
     pass
+
+
+class LossMonitor:
+    """An epoch's loss terms, summed on the device, checked for non-finite totals every few steps.
+
+    `record` runs inside the step and never reads the device; `check` (every `train.check_every` steps and at the end
+    of the epoch) reads the steps since the last check at once, raises `NonFiniteLoss` on every rank when any rank had
+    a non-finite total (naming the earliest such step, the ranks it happened on, and this rank's terms there), and
+    returns the last total for the progress bar. A bad step is reported up to `check_every` steps late; the run folder
+    still holds the last good checkpoint.
+    """
+
+    def __init__(self, epoch: int, device: torch.device):
+        self.epoch, self.device, self.steps = epoch, device, 0
+        self.names: list[str] = []
+        self._sums: Tensor | None = None
+        self._window: list[Tensor] = []  # each unchecked step's terms
+        self._last = float("nan")
+
+    def record(self, parts: dict[str, Tensor]) -> None:
+        values = torch.stack([v.float() for v in parts.values()])
+        if self._sums is None:
+            self.names, self._sums = list(parts), torch.zeros_like(values)
+        self._sums += values
+        self._window.append(values)
+        self.steps += 1
+
+    def check(self) -> float:
+        if not self._window:  # every rank ran the same steps, so every rank returns here together
+            return self._last
+        window = torch.stack(self._window)
+        start = self.steps - len(window)
+        self._window = []
+        steps = torch.arange(len(window), device=window.device)
+        first = torch.where(torch.isfinite(window[:, 0]), len(window), steps).min().reshape(1)
+        firsts = dist.all_gather_cat(first)[0].tolist()  # one read of the device for every rank's window
+        earliest = min(firsts)
+        self._last = float(window[-1, 0])
+        if earliest == len(window):
+            return self._last
+        where = ""
+        if len(firsts) > 1:
+            ranks = [r for r, f in enumerate(firsts) if f == earliest]
+            where = f" on rank(s) {ranks} (this is rank {dist.get_rank()})"
+        terms = ", ".join(f"{k}={v:.4g}" for k, v in zip(self.names, window[earliest].tolist(), strict=True))
+        raise NonFiniteLoss(
+            f"non-finite loss at epoch {self.epoch}, step {start + earliest}{where}: {terms}. Hint: lower optim.lr, "
+            "try train.amp=off, and check the inputs for NaN/inf; the last good checkpoint is in the run folder"
+        )
+
+    def means(self) -> dict[str, float]:
+        """Each term's mean over the steps (over every rank's steps under torchrun: all ran `steps`)."""
+        sums = self._sums
+        if dist.get_world_size() > 1:
+            sums = dist.all_reduce_sum(sums) / dist.get_world_size()
+        return {k: float(v) / self.steps for k, v in zip(self.names, sums.tolist(), strict=True)}
 
 
 @dataclass
@@ -81,24 +137,43 @@ def rank_seed(seed: int) -> int:
     return (seed + dist.get_rank() * 7_919_000_003) % (2**63)
 
 
+def build_optimizer(model: torch.nn.Module, o, device: torch.device) -> torch.optim.Optimizer:
+    """SGD or AdamW over the trainable parameters; one fused kernel per step on CUDA (same update, fewer launches),
+    the foreach implementation elsewhere."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **impl)
+    return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, **impl)
+
+
+def compile_model(model: InfoSieve, device: torch.device) -> None:
+    """`train.compile`: compile the backbone's blocks and the heads in place (state-dict keys unchanged). The blocks
+    share one graph; the frozen and trained ones differ only in grad mode."""
+    if device.type != "cuda":
+        raise ValueError("train.compile=true needs CUDA (torch.compile on the CPU does not pay here): set it false")
+    for block in getattr(model.backbone.net, "blocks", []):
+        block.compile(dynamic=False)
+    model.projection.compile(dynamic=False)
+
+
 class Trainer:
     def __init__(self, cfg: Config, source: GCDSource | None = None, backbone: Backbone | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         self.source = source if source is not None else build_source(cfg.data, cfg.train)
+        if self.device.type == "cuda" and isinstance(self.source, InMemoryGCD):
+            self.source = self.source.to(self.device)  # small by definition; batches then never cross the bus
         torch.manual_seed(cfg.train.seed)
-        self.model = InfoSieve(cfg.model, self.source.n_old, backbone).to(self.device)
+        self.model = InfoSieve(cfg.model, self.source.n_old, backbone, cfg.train.frozen_bf16).to(self.device)
         self.model.kernel_backend = cfg.train.kernels
         self.loss_fn = InfoSieveLoss(cfg.loss, self.source.n_old, backend=cfg.train.kernels)
         d = cfg.data
         self.augment = DeviceAugment(AugmentConfig(d.crop_size, d.hflip, tuple(d.mean), tuple(d.std), d.color_jitter))
         self.amp = autocast_enabled(cfg.train.amp, self.device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        o = cfg.optim
-        if o.name == "sgd":
-            self.optimizer = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-        else:
-            self.optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        if cfg.train.compile:
+            compile_model(self.model, self.device)
         # `self.model` stays the plain module (checkpoints, feature passes); `self.net` runs the training forward.
         # Every trainable parameter takes part in every loss (the categorizer too: an empty labelled batch gives it a
         # zero gradient, not none), and the frozen backbone prefix has requires_grad=False, so DDP needs no
@@ -194,62 +269,43 @@ class Trainer:
             group["lr"] = sched.lr
 
         fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
+        check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
         pseudo, inertia = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
 
         gen = self._generator(rank_seed(epoch_seed(cfg.train.seed, epoch, 3)))
-        sums: dict[str, Tensor] = {}
-        steps = 0
+        monitor = LossMonitor(epoch, self.device)
         batches = self.source.train_batches(cfg.data.batch_size, epoch, cfg.train.seed)
         bar = tqdm(
             batches, desc=f"epoch {epoch + 1}/{cfg.schedule.epochs}", leave=False, dynamic_ncols=True,
             disable=not dist.is_main_process(),
         )  # fmt: skip
         for batch in bar:
-            if cfg.train.max_steps_per_epoch is not None and steps >= cfg.train.max_steps_per_epoch:
+            if cfg.train.max_steps_per_epoch is not None and monitor.steps >= cfg.train.max_steps_per_epoch:
                 break
-            batch = batch.to(self.device, non_blocking=True)
-            views = self.augment.train_views(batch.images, 2, gen)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                out = self.net(views)
-            total, parts = self.loss_fn(out, batch.targets, batch.labelled, pseudo[batch.uq])
-            self._check_finite(total, parts, epoch, steps)
-            self.optimizer.zero_grad(set_to_none=True)
-            total.backward()
-            self.optimizer.step()
-            for k, v in parts.items():
-                sums[k] = sums.get(k, 0.0) + v
-            steps += 1
-            bar.set_postfix(loss=f"{float(parts['total']):.3f}")
-        if steps == 0:
+            self.train_step(batch, pseudo, gen, monitor)
+            if monitor.steps % cfg.train.check_every == 0:
+                bar.set_postfix(loss=f"{monitor.check():.3f}")
+        if monitor.steps == 0:
             raise RuntimeError(
                 "the epoch had no full batch: lower data.batch_size (per rank) or use more training data"
             )
-        world = dist.get_world_size()
-        if world > 1:  # every rank ran `steps` steps: the mean over ranks of the per-rank means
-            stacked = dist.all_reduce_sum(torch.stack(list(sums.values())).float()) / world
-            sums = dict(zip(sums, stacked, strict=True))
-        record = {"epoch": epoch, "lr": sched.lr, "age": sched.age, "base": sched.base, "steps": steps}
-        record.update({f"loss_{k}": float(v) / steps for k, v in sums.items()})
+        monitor.check()
+        record = {"epoch": epoch, "lr": sched.lr, "age": sched.age, "base": sched.base, "steps": monitor.steps}
+        record.update({f"loss_{k}": v for k, v in monitor.means().items()})
         record.update({"kmeans_inertia": inertia, "seconds": time.perf_counter() - start})
         return record
 
-    def _check_finite(self, total: Tensor, parts: dict[str, Tensor], epoch: int, step: int) -> None:
-        """Raise NonFiniteLoss on every rank when the loss is not finite on any (before backward, whose gradient
-        all-reduce would otherwise wait for the ranks that stopped)."""
-        bad = not bool(torch.isfinite(total))
-        where = ""
-        if dist.get_world_size() > 1:
-            flags = dist.all_gather_cat(torch.tensor([bad], dtype=torch.long, device=self.device))[0]
-            if not bool(flags.any()):
-                return
-            where = f" on rank(s) {flags.nonzero().squeeze(1).tolist()} (this is rank {dist.get_rank()})"
-        elif not bad:
-            return
-        terms = ", ".join(f"{k}={float(v):.4g}" for k, v in parts.items())
-        raise NonFiniteLoss(
-            f"non-finite loss at epoch {epoch}, step {step}{where}: {terms}. Hint: lower optim.lr, try "
-            "train.amp=off, and check the inputs for NaN/inf; the last good checkpoint is in the run folder"
-        )
+    def train_step(self, batch: Batch, pseudo: Tensor, gen: torch.Generator, monitor: LossMonitor) -> None:
+        """One two-view step; nothing in it waits for the device (the monitor reads the loss later)."""
+        batch = batch.to(self.device, non_blocking=True)
+        views = self.augment.train_views(batch.images, 2, gen)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            out = self.net(views)
+        total, parts = self.loss_fn(out, batch.targets, batch.labelled, pseudo[batch.uq])
+        monitor.record(parts)
+        self.optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        self.optimizer.step()
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self, next_epoch: int, before: dict) -> dict:
@@ -259,13 +315,13 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "before": before,
             "config": self.cfg.to_dict(),
-            "torch_rng": torch.get_rng_state(),
+            "torch_rng": ckpt.rng_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
+        ckpt.restore_rng_state(state["torch_rng"])
 
 
 def print_table(metrics: dict[str, dict[str, float]], protocol: str) -> None:

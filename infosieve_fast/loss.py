@@ -16,6 +16,13 @@ from .config import LossConfig
 from .model import ModelOutput
 
 
+def check_labelled_targets(targets: Tensor, labelled: Tensor, n_old: int) -> None:
+    """Labelled samples must belong to the known classes 0..n_old-1 (reads the device: not for the step on CUDA)."""
+    known = targets[labelled.bool()]
+    if bool(((known >= n_old) | (known < 0)).any()):
+        raise ValueError(f"labelled targets must lie in 0..{n_old - 1} (the known classes)")
+
+
 class InfoSieveLoss:
     def __init__(self, cfg: LossConfig, n_old: int, backend: str = "auto"):
         self.cfg, self.n_old, self.backend = cfg, n_old, backend
@@ -36,12 +43,17 @@ class InfoSieveLoss:
         bits = (out.head.code_raw.float() + 1) / 2  # the paper's z in {0, 1}: mean z^2 (1 - z)^2
         return (bits * (1 - bits)).pow(2).mean()
 
-    def _category(self, logits: Tensor, targets: Tensor) -> Tensor:
-        if logits.shape[0] == 0:
-            return logits.sum() * 0.0
+    def _category(self, logits: Tensor, targets: Tensor, rows: Tensor) -> Tensor:
+        """The categorizer loss averaged over the labelled `rows` (a bool mask) only, without indexing by the mask
+        (which would wait for the device): every row is computed, the others are weighted 0. No labelled row: 0."""
+        targets = torch.where(rows, targets, 0)
+        weight = rows.to(logits.dtype)
         if self.cfg.categorizer_loss == "bce":
-            return F.binary_cross_entropy_with_logits(logits, F.one_hot(targets, self.n_old).to(logits.dtype))
-        return F.cross_entropy(logits, targets)
+            onehot = F.one_hot(targets, self.n_old).to(logits.dtype)
+            per_row = F.binary_cross_entropy_with_logits(logits, onehot, reduction="none").sum(1) / self.n_old
+        else:
+            per_row = F.cross_entropy(logits, targets, reduction="none")
+        return (per_row * weight).sum() / weight.sum().clamp_min(1.0)
 
     def __call__(
         self, out: ModelOutput, targets: Tensor, labelled: Tensor, pseudo_labels: Tensor
@@ -52,8 +64,8 @@ class InfoSieveLoss:
         pseudo-label SupCon uses the ground truth on labelled samples (REFERENCE §3.10).
         """
         cfg = self.cfg
-        if bool((targets[labelled] >= self.n_old).any()) or bool((targets[labelled] < 0).any()):
-            raise ValueError(f"labelled targets must lie in 0..{self.n_old - 1} (the known classes)")
+        if not targets.is_cuda:  # free on the CPU; on CUDA the trainer checks the whole train set once per epoch
+            check_labelled_targets(targets, labelled, self.n_old)
         lab2 = labelled.bool().repeat(2)
         y2 = targets.long().repeat(2)
         gt = torch.where(lab2, y2, torch.full_like(y2, -1))
@@ -72,7 +84,7 @@ class InfoSieveLoss:
             code_cond = self._code_constraint(out)
             mask_cond = head.mask_cond.float()
             length = head.length.float()
-            category = self._category(out.category_logits[lab2].float(), y2[lab2])
+            category = self._category(out.category_logits.float(), y2, lab2)
             total = (
                 cfg.alpha * loss_in
                 + cfg.beta * loss_code

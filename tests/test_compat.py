@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import kernels
+from benchmarks.published import model as standin
 from kernels import compat
-from tests import reference_model_standin as standin
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_MISSING = {name: not (ROOT / "kernels" / f"{name}.py").is_file() for name in ("code_head", "contrastive")}
@@ -445,10 +445,10 @@ def test_cdist_diagonal_quirk(monkeypatch, device, dtype, rtol):
 def test_docs_example_runs(monkeypatch, doc):
     """Every runnable python block (the ones using the stand-in module) of the doc runs as written."""
     monkeypatch.chdir(ROOT)
-    monkeypatch.setitem(sys.modules, "tests.reference_model_standin", fresh_standin())
-    monkeypatch.setattr(sys.modules["tests"], "reference_model_standin", sys.modules["tests.reference_model_standin"])
+    monkeypatch.setitem(sys.modules, "benchmarks.published.model", fresh_standin())
+    monkeypatch.setattr(sys.modules["benchmarks.published"], "model", sys.modules["benchmarks.published.model"])
     text = (ROOT / doc).read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "reference_model_standin" in b]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "benchmarks.published" in b]
     assert blocks, f"{doc} has no runnable compat example"
     for block in blocks:
         exec(compile(block, doc, "exec"), {"__name__": "__docs__"})

@@ -6,22 +6,32 @@ import pytest
 import torch
 
 from infosieve_fast import cli
-from infosieve_fast.checkpoint import read_log
+from infosieve_fast.checkpoint import load_checkpoint, read_log, restore_rng_state, rng_state, save_checkpoint
 from infosieve_fast.config import load_config
-from infosieve_fast.engine import NonFiniteLoss, train
+from infosieve_fast.engine import LossMonitor, NonFiniteLoss, Trainer, train
 from infosieve_fast.model import Backbone
 
 SMOKE = [
-    "schedule.epochs=2", "train.train_subset=320", "data.batch_size=64", "train.device=cpu",
+    "schedule.epochs=2", "train.train_subset=320", "data.batch_size=64",
     "kmeans.n_init=2", "model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64",
 ]  # fmt: skip
 
 
 def smoke_config(*extra):
-    return load_config("configs/demo.yaml", SMOKE + list(extra))
+    return load_config("configs/demo.yaml", [*SMOKE, "train.device=cpu", *extra])
 
 
-def test_two_epoch_demo_run_writes_its_folder_and_resume_reproduces_it(tmp_path):
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_epoch_demo_run_writes_its_folder_and_resume_reproduces_it(tmp_path, device):
+    def smoke_config(*extra):  # this device's run, killed and resumed on the same device
+        return load_config("configs/demo.yaml", [*SMOKE, f"train.device={device}", *extra])
+
     full = train(smoke_config(), tmp_path / "full")
     run = tmp_path / "full"
     assert {p.name for p in run.iterdir()} >= {"config.yaml", "log.jsonl", "checkpoint.pt", "metrics.json"}
@@ -107,3 +117,34 @@ def test_training_runs_from_shards(tmp_path, realdata):
     log = read_log(tmp_path / "run" / "log.jsonl")
     assert [r["steps"] for r in log] == [3, 3]  # 96 samples // 32
     assert all(0 <= metrics[s]["all"] <= 1 for s in ("before", "after"))
+
+
+def test_rng_state_stays_on_the_cpu_whatever_the_map_location(tmp_path):
+    """A CUDA resume loads the checkpoint with map_location=cuda, which moves every tensor; torch.set_rng_state takes
+    only a CPU ByteTensor. The state is saved as bytes, which no map_location moves ("meta" stands in for a GPU)."""
+    torch.manual_seed(123)
+    saved = torch.get_rng_state()
+    save_checkpoint(tmp_path, {"torch_rng": rng_state(), "weight": torch.ones(3)})
+    expected = torch.rand(5)
+    state = load_checkpoint(tmp_path, map_location="meta")
+    assert state["weight"].device.type == "meta"  # map_location did move the tensors
+    torch.manual_seed(0)
+    restore_rng_state(state["torch_rng"])
+    assert torch.equal(torch.get_rng_state(), saved) and torch.equal(torch.rand(5), expected)
+
+
+def test_compile_on_the_cpu_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="train.compile=true needs CUDA"):
+        Trainer(smoke_config("train.compile=true"))
+
+
+def test_loss_monitor_reports_the_first_non_finite_step_with_its_terms():
+    monitor = LossMonitor(epoch=3, device=torch.device("cpu"))
+    for total in (1.0, 2.0, float("inf"), float("nan"), 5.0):
+        monitor.record({"total": torch.tensor(total), "in": torch.tensor(total / 2)})
+    with pytest.raises(NonFiniteLoss, match=r"epoch 3, step 2: total=inf, in=inf"):
+        monitor.check()
+    healthy = LossMonitor(epoch=0, device=torch.device("cpu"))
+    for total in (1.0, 2.0, 6.0):
+        healthy.record({"total": torch.tensor(total), "in": torch.tensor(total / 2)})
+    assert healthy.check() == 6.0 and healthy.means() == {"total": 3.0, "in": 1.5}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from benchmarks.reference_kmeans import ReferenceSSKMeans
+from benchmarks.published.kmeans import ReferenceSSKMeans
 from infosieve_fast.kmeans import (
     _assign_capacity,
     _cluster_sums,

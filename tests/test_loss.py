@@ -271,7 +271,12 @@ def test_categorizer_hand_numbers():
     assert hand_ce(logits, [1, 1]) == pytest.approx(math.log(4 / 3))
     for kind, want in (("bce", math.log(8 / 3) / 2), ("ce", math.log(4 / 3))):
         loss = InfoSieveLoss(dataclasses.replace(LossConfig(), categorizer_loss=kind), n_old=2)
-        assert loss._category(logits, torch.tensor([1, 1])).item() == pytest.approx(want, rel=1e-6)
+        labelled = torch.tensor([True, True])
+        assert loss._category(logits, torch.tensor([1, 1]), labelled).item() == pytest.approx(want, rel=1e-6)
+        # An unlabelled row (any target, even outside the known classes) changes nothing.
+        rows = torch.cat([logits, torch.tensor([[5.0, -3.0]])])
+        got = loss._category(rows, torch.tensor([1, 1, 7]), torch.tensor([True, True, False])).item()
+        assert got == pytest.approx(want, rel=1e-6)
 
 
 # ----------------------------------------------------------------------------------------- labels and edge batches

@@ -37,6 +37,33 @@ def test_split_forward_equals_the_plain_forward_and_frozen_blocks_get_no_grad():
         assert (p.grad is not None) == name.startswith("blocks.3."), name
 
 
+def test_frozen_bf16_runs_the_frozen_prefix_in_bf16_and_trains_the_rest_in_fp32():
+    torch.manual_seed(0)
+    reference = build_backbone(tiny_cfg(grad_from_block=2)).eval()
+    backbone = build_backbone(tiny_cfg(grad_from_block=2), frozen_bf16=True).eval()
+    backbone.load_state_dict(reference.state_dict())  # same weights, cast to each side's dtypes
+    for name, p in backbone.net.named_parameters():
+        trained_part = name.startswith(("blocks.2.", "blocks.3.", "norm."))
+        assert p.dtype == (torch.float32 if trained_part else torch.bfloat16), name
+    x = torch.randn(2, 3, 32, 32)
+    out = backbone(x)
+    assert out.dtype == torch.float32  # the trained blocks and the final norm run in fp32 outside autocast
+    # bf16 rounding of the frozen blocks' weights and activations only: close to the fp32 forward, not equal
+    torch.testing.assert_close(out, reference(x), rtol=0.05, atol=0.05)
+    assert not torch.equal(out, reference(x))
+    out.sum().backward()
+    for name, p in backbone.net.named_parameters():
+        assert (p.grad is not None) == name.startswith(("blocks.2.", "blocks.3.")), name
+    restored = build_backbone(tiny_cfg(grad_from_block=2))
+    restored.load_state_dict(backbone.state_dict())  # a frozen_bf16 checkpoint loads into an fp32 model
+    assert all(p.dtype == torch.float32 for p in restored.parameters())
+
+
+def test_frozen_bf16_needs_a_frozen_vit_prefix():
+    with pytest.raises(ValueError, match="frozen_bf16"):
+        build_backbone(tiny_cfg(grad_from_block=None), frozen_bf16=True)
+
+
 def test_grad_from_block_none_trains_everything():
     backbone = build_backbone(tiny_cfg(grad_from_block=None))
     assert all(p.requires_grad for p in backbone.parameters())

@@ -6,7 +6,7 @@
    gradient where finite differences cannot (a zero distance), plus a few fully hand-computed cases.
 2. Gradients: `torch.autograd.gradcheck` in float64 on every term, away from zero distances; duplicate rows give a
    finite gradient equal to the analytic one with the duplicate pair's distance contributing 0.
-3. The original code's arithmetic: `tests/reference_model_standin.py` transcribes `info_nce_logits` (cdist, positive
+3. The original code's arithmetic: `benchmarks/published/model.py` transcribes `info_nce_logits` (cdist, positive
    in column 0, negatives after it), HobbitLong's `SupConLoss` (max subtraction, `contrast_mode='all'`), `HLoss`
    and `NormPLoss` (`torch.norm(p=1)` over the whole tensor); it is combined here with
    `nn.CrossEntropyLoss(label_smoothing=s)` and the labeller's elementwise forward (REFERENCE §2.3).
@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.published import model as orig
 from kernels import reference as ref
-from tests import reference_model_standin as orig
 
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; printed on failure
 B, D = 4, 3  # 4 samples x 3 dims, two views: N = 8 rows

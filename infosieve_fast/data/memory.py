@@ -61,17 +61,24 @@ class InMemoryGCD:
     def _batch(self, idx: Tensor) -> Batch:
         return Batch(self.images[idx], self.targets[idx], idx, self.labelled[idx])
 
+    def to(self, device: torch.device | str) -> InMemoryGCD:
+        """The same set held on `device` (on a GPU its batches are then gathered there: no copy per step)."""
+        return InMemoryGCD(
+            self.images.to(device), self.targets.to(device), self.labelled.to(device), self.n_old,
+            self.labelled_share, self._rank, self._world_size,
+        )  # fmt: skip
+
     def feature_batches(self, batch_size: int) -> Iterator[Batch]:
         """This rank's contiguous share of the train set once, in uq order (all of it with one process)."""
         n, r, w = self.n_train, self.rank, self.world_size
         lo, hi = n * r // w, n * (r + 1) // w
         for start in range(lo, hi, batch_size):
-            yield self._batch(torch.arange(start, min(start + batch_size, hi)))
+            yield self._batch(torch.arange(start, min(start + batch_size, hi), device=self.images.device))
 
     def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
         """`n_train // (batch_size * world_size)` batches of `batch_size`: this rank's slice of each global batch."""
         gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        order = sample_epoch(self.labelled, self.n_train, self.labelled_share, gen)
+        order = sample_epoch(self.labelled, self.n_train, self.labelled_share, gen).to(self.images.device)
         step = batch_size * self.world_size
         for start in range(self.rank * batch_size, self.n_train - step + 1 + self.rank * batch_size, step):
             yield self._batch(order[start : start + batch_size])

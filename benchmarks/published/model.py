@@ -1,4 +1,6 @@
-"""Stand-in for the original InfoSieve module: the reference names `kernels.compat` replaces, for the tests.
+"""Stand-in for the original InfoSieve model/loss modules: the reference names `kernels.compat` replaces.
+
+Used by the tests (as the oracle) and by `benchmarks/published/train.py` (the published training step).
 
 Transcribed from the behaviour REFERENCE.md §2.2, §2.3, §3 and §8 describe (not copied from the public code): the
 names, signatures and arithmetic of `SupConLoss` (HobbitLong's SupCon with Euclidean logits and the `is_code`

@@ -135,7 +135,7 @@ class ReferenceSSKMeans:
             if balance_passes is not None and cs is not None:
                 cnt_l = torch.bincount(lab_l, minlength=K)
                 u_lab = self._balance(Dm, u_lab, cs, cnt_l, balance_passes)
-            labels = torch.cat([lab_l, u_lab])
+            labels = torch.cat([lab_l, u_lab.to(lab_l.device)])  # the published code moves labels between devices
             self._update(X, labels, centers, ks)
             history.append(inertia)
             if best is None or inertia < best[2]:

@@ -1,0 +1,1 @@
+"""Benchmarks of infosieve-fast against the published InfoSieve code (run from the repository root)."""
