@@ -83,22 +83,22 @@ else:
 EOF
 } 2>&1 | tee "$RESULTS/$card-env.txt"
 
-step "bench_train step + epoch (ViT-B/16)" 250 "$RESULTS/$card-train.log" \
-  "$PY" benchmarks/bench_train.py --device cuda --epoch --epoch-variants fast_default,fast_all \
-  --json "$RESULTS/$card-train.json"
+step "bench_train step + epoch (ViT-B/16)" 240 "$RESULTS/$card-train.log" \
+  "$PY" benchmarks/bench_train.py --device cuda --epoch --epoch-variants fast_default,fast_frozen_bf16 \
+  --variants published_fp32,published_bf16,fast_default,fast_frozen_bf16,fast_all --json "$RESULTS/$card-train.json"
 
-step "kill after epoch 1 + resume (CUDA)" 75 "$RESULTS/$card-resume.txt" \
+step "kill after epoch 1 + resume (CUDA)" 70 "$RESULTS/$card-resume.txt" \
   "$PY" -m pytest tests/test_engine.py -k "two_epoch and cuda" -q -rfEs -p no:cacheprovider
 
-step "demo training (CUDA)" 60 "$RESULTS/$card-demo.txt" "$PY" -m infosieve_fast.cli train --config configs/demo.yaml \
+step "demo training (CUDA)" 50 "$RESULTS/$card-demo.txt" "$PY" -m infosieve_fast.cli train --config configs/demo.yaml \
   --out "/tmp/gpu-demo-$$" --set train.device=cuda
 
 xdist=()
 "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
-step "kernel parity tests (CUDA)" 110 "$RESULTS/$card-tests.txt" "$PY" -m pytest "${xdist[@]}" \
+step "kernel parity tests (CUDA)" 100 "$RESULTS/$card-tests.txt" "$PY" -m pytest "${xdist[@]}" \
   tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests/test_compat.py -q -rfEs -p no:cacheprovider
 
-step "bench_kmeans vs published k-means (GPU)" 60 "$RESULTS/$card-kmeans.log" "$PY" benchmarks/bench_kmeans.py \
+step "bench_kmeans vs published k-means (GPU)" 55 "$RESULTS/$card-kmeans.log" "$PY" benchmarks/bench_kmeans.py \
   --device cuda --cases a,b --ref-inits 1,1 --ref-distance broadcast --modes plain,reference --repeat 1 \
   --json "$RESULTS/$card-kmeans.json"
 
