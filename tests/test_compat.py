@@ -270,7 +270,9 @@ def test_small_losses(device, dtype):
     m = torch.rand(n, L, dtype=dtype, device=device)
     for is_mask, x in ((False, z), (True, m)):
         check_pair(compat.HLoss(is_mask), standin.HLoss(is_mask), [x], dtype, "torch", device, f"HLoss({is_mask})")
-    w0 = kernels.positional_weights(L, 2.0, device=device)
+    # weights in the input's dtype: fp32 weights make the original's ||1/w|| an fp32 sum of 2^0..2^39, whose rounding
+    # depends on the reduction order (1e-7 relative on CUDA), not on the code under test
+    w0 = kernels.positional_weights(L, 2.0, device=device, dtype=dtype)
     for pnorm, weight in ((1, w0), (2, w0), (1, None)):
         check_pair(
             compat.NormPLoss(pnorm, weight),
@@ -380,7 +382,7 @@ def test_patch_reference(monkeypatch, device, backend):
     feats = random_views(bsz, 2, 16, torch.float64, device, False)
     labels = torch.randint(0, 3, (bsz,), device=device)
     mask = torch.rand(bsz, L, dtype=torch.float64, device=device)
-    w0 = kernels.positional_weights(L, 2.0, device=device)
+    w0 = kernels.positional_weights(L, 2.0, device=device, dtype=torch.float64)  # see test_small_losses
 
     def losses(mod):
         return [
