@@ -15,6 +15,7 @@ Variants:
   published_bf16    (b) the same under bf16 autocast, what a user tries first
   fast_default      (c) infosieve-fast with its default config
   fast_frozen_bf16  (d) + train.frozen_bf16
+  fast_checkpoint   (d) + train.checkpoint_blocks (memory, not speed)
   fast_compile      (d) + train.compile (CUDA)
   fast_all          (d) + both
 Epoch mode (`--epoch`): a CUB-sized in-memory train set of random uint8 images (5,994 at 256^2, 200 classes, the first
@@ -61,6 +62,7 @@ from infosieve_fast.engine import LossMonitor, Trainer  # noqa: E402
 FAST_VARIANTS = {
     "fast_default": [],
     "fast_frozen_bf16": ["train.frozen_bf16=true"],
+    "fast_checkpoint": ["train.checkpoint_blocks=true"],
     "fast_compile": ["train.compile=true"],
     "fast_all": ["train.frozen_bf16=true", "train.compile=true"],
 }
@@ -298,6 +300,7 @@ def bench_epoch(args, device: torch.device, variant: str) -> dict:
         "steps": record["steps"],
         "published_steps": len(losses),
         "epoch_seconds": fast_s,
+        "phase_seconds": {k: record[f"seconds_{k}"] for k in ("features", "kmeans", "steps")},
         "published_epoch_seconds": published_s,
         "published_epoch_measured_seconds": measured_s,
         "published_phase_seconds_measured": result.seconds,

@@ -9,7 +9,8 @@
 # end if any failed):
 #   1. bench_train: the whole step (published fp32 / bf16 autocast / infosieve-fast default / + each off-by-default
 #      optimisation) and a CUB-size epoch against the published epoch, ViT-B/16 at 224, 128 samples per step;
-#   2. the demo run killed after epoch 1 and resumed on CUDA, against an uninterrupted run (tests/test_engine.py);
+#   2. the demo run killed after epoch 1 and resumed on CUDA, against an uninterrupted run, and a training step under
+#      torch.cuda.set_sync_debug_mode("error") (tests/test_engine.py);
 #   3. a 12-epoch demo training run on CUDA;
 #   4. every kernel parity test on CUDA (pytest-xdist from .whl/ when carried);
 #   5. bench_kmeans on the GPU against the published k-means (its broadcast chunk distance) on the GPU.
@@ -84,11 +85,12 @@ EOF
 } 2>&1 | tee "$RESULTS/$card-env.txt"
 
 step "bench_train step + epoch (ViT-B/16)" 240 "$RESULTS/$card-train.log" \
-  "$PY" benchmarks/bench_train.py --device cuda --epoch --epoch-variants fast_default,fast_frozen_bf16 \
-  --variants published_fp32,published_bf16,fast_default,fast_frozen_bf16,fast_all --json "$RESULTS/$card-train.json"
+  "$PY" benchmarks/bench_train.py --device cuda --epoch --epoch-variants fast_default,fast_frozen_bf16,fast_all \
+  --variants published_fp32,published_bf16,fast_default,fast_frozen_bf16,fast_checkpoint,fast_all \
+  --json "$RESULTS/$card-train.json"
 
-step "kill after epoch 1 + resume (CUDA)" 70 "$RESULTS/$card-resume.txt" \
-  "$PY" -m pytest tests/test_engine.py -k "two_epoch and cuda" -q -rfEs -p no:cacheprovider
+step "kill after epoch 1 + resume, no-sync step (CUDA)" 70 "$RESULTS/$card-resume.txt" \
+  "$PY" -m pytest tests/test_engine.py -k "(two_epoch and cuda) or never_waits" -q -rfEs -p no:cacheprovider
 
 step "demo training (CUDA)" 50 "$RESULTS/$card-demo.txt" "$PY" -m infosieve_fast.cli train --config configs/demo.yaml \
   --out "/tmp/gpu-demo-$$" --set train.device=cuda

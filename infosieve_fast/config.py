@@ -111,6 +111,7 @@ class TrainConfig:
     check_every: int = 50
     frozen_bf16: bool = False  # the frozen ViT prefix stored and run in plain bf16 instead of under autocast
     compile: bool = False  # torch.compile the backbone blocks and the heads (CUDA only; compiles for ~1 min)
+    checkpoint_blocks: bool = False  # recompute the trained ViT blocks' activations in backward (less memory)
 
 
 @dataclass

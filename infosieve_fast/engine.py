@@ -165,7 +165,9 @@ class Trainer:
         if self.device.type == "cuda" and isinstance(self.source, InMemoryGCD):
             self.source = self.source.to(self.device)  # small by definition; batches then never cross the bus
         torch.manual_seed(cfg.train.seed)
-        self.model = InfoSieve(cfg.model, self.source.n_old, backbone, cfg.train.frozen_bf16).to(self.device)
+        t = cfg.train
+        self.model = InfoSieve(cfg.model, self.source.n_old, backbone, t.frozen_bf16, t.checkpoint_blocks)
+        self.model.to(self.device)
         self.model.kernel_backend = cfg.train.kernels
         self.loss_fn = InfoSieveLoss(cfg.loss, self.source.n_old, backend=cfg.train.kernels)
         d = cfg.data
@@ -270,7 +272,9 @@ class Trainer:
 
         fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
         check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
+        features_done = time.perf_counter()  # the checks above read the device: the feature pass has finished
         pseudo, inertia = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
+        kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
 
         gen = self._generator(rank_seed(epoch_seed(cfg.train.seed, epoch, 3)))
         monitor = LossMonitor(epoch, self.device)
@@ -292,7 +296,11 @@ class Trainer:
         monitor.check()
         record = {"epoch": epoch, "lr": sched.lr, "age": sched.age, "base": sched.base, "steps": monitor.steps}
         record.update({f"loss_{k}": v for k, v in monitor.means().items()})
-        record.update({"kmeans_inertia": inertia, "seconds": time.perf_counter() - start})
+        end = time.perf_counter()  # monitor.check() read the device: the steps have finished
+        record.update({
+            "kmeans_inertia": inertia, "seconds": end - start, "seconds_features": features_done - start,
+            "seconds_kmeans": kmeans_done - features_done, "seconds_steps": end - kmeans_done,
+        })  # fmt: skip
         return record
 
     def train_step(self, batch: Batch, pseudo: Tensor, gen: torch.Generator, monitor: LossMonitor) -> None:

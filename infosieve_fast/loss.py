@@ -31,10 +31,15 @@ class InfoSieveLoss:
         self, feats: Tensor, sup_feats: Tensor, gt: Tensor, pseudo: Tensor, sup_weight: float, is_code: bool
     ):
         cfg = self.cfg
-        unsup = kernels.info_nce_loss(feats, cfg.temperature, cfg.label_smoothing, is_code, backend=self.backend)
         tau = cfg.supcon_temperature
-        sup_gt = kernels.supcon_loss(sup_feats, gt, tau, tau, is_code, backend=self.backend)
-        sup_pseudo = kernels.supcon_loss(sup_feats, pseudo, tau, tau, is_code, backend=self.backend)
+        if feats is sup_feats:  # the input branch: one Gram matrix for the three terms
+            unsup, (sup_gt, sup_pseudo) = kernels.info_nce_and_supcon(
+                feats, [gt, pseudo], cfg.temperature, cfg.label_smoothing, tau, tau, is_code, backend=self.backend
+            )
+        else:
+            unsup = kernels.info_nce_loss(feats, cfg.temperature, cfg.label_smoothing, is_code, backend=self.backend)
+            sup_gt = kernels.supcon_loss(sup_feats, gt, tau, tau, is_code, backend=self.backend)
+            sup_pseudo = kernels.supcon_loss(sup_feats, pseudo, tau, tau, is_code, backend=self.backend)
         return (1 - sup_weight) * unsup + sup_weight * (sup_gt + sup_pseudo) / 2, unsup, sup_gt, sup_pseudo
 
     def _code_constraint(self, out: ModelOutput) -> Tensor:
@@ -49,7 +54,7 @@ class InfoSieveLoss:
         targets = torch.where(rows, targets, 0)
         weight = rows.to(logits.dtype)
         if self.cfg.categorizer_loss == "bce":
-            onehot = F.one_hot(targets, self.n_old).to(logits.dtype)
+            onehot = (targets[:, None] == torch.arange(self.n_old, device=targets.device)).to(logits.dtype)  # no sync
             per_row = F.binary_cross_entropy_with_logits(logits, onehot, reduction="none").sum(1) / self.n_old
         else:
             per_row = F.cross_entropy(logits, targets, reduction="none")

@@ -15,6 +15,7 @@ from pathlib import Path
 import timm
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 import kernels
@@ -51,19 +52,30 @@ class Backbone(nn.Module):
     `frozen_bf16=True` stores the frozen prefix in bf16 and runs it in plain bf16 (residual stream and LayerNorm
     included) instead of under fp32-autocast: autocast keeps LayerNorm and the residual adds in fp32 and casts every
     activation back to bf16, which costs more than the frozen blocks' matmuls on a GPU. Off by default.
+
+    `checkpoint_trained=True` keeps only the inputs of the trained blocks and recomputes their activations in the
+    backward pass (torch.utils.checkpoint): less memory for one more forward of those blocks. Off by default.
     """
 
-    def __init__(self, net: nn.Module, feat_dim: int, grad_from_block: int | None, frozen_bf16: bool = False):
+    def __init__(
+        self,
+        net: nn.Module,
+        feat_dim: int,
+        grad_from_block: int | None,
+        frozen_bf16: bool = False,
+        checkpoint_trained: bool = False,
+    ):
         super().__init__()
         self.net, self.feat_dim, self.grad_from_block = net, feat_dim, grad_from_block
         for name, param in net.named_parameters():
             param.requires_grad = grad_from_block is None or _block_index(name) >= grad_from_block
         self._split_vit = grad_from_block is not None and hasattr(net, "blocks") and hasattr(net, "patch_embed")
-        if frozen_bf16 and not self._split_vit:
-            raise ValueError(
-                "train.frozen_bf16 needs a timm ViT backbone with model.grad_from_block set (a frozen block prefix)"
-            )
-        self.frozen_bf16 = frozen_bf16
+        for name, on in (("frozen_bf16", frozen_bf16), ("checkpoint_blocks", checkpoint_trained)):
+            if on and not self._split_vit:
+                raise ValueError(
+                    f"train.{name} needs a timm ViT backbone with model.grad_from_block set (a frozen block prefix)"
+                )
+        self.frozen_bf16, self.checkpoint_trained = frozen_bf16, checkpoint_trained
         if frozen_bf16:
             for module in self._frozen_modules():
                 module.to(torch.bfloat16)
@@ -97,7 +109,10 @@ class Backbone(nn.Module):
             x = self._frozen_prefix(x)
             x = x.float() if self.frozen_bf16 else x
         for block in net.blocks[g:]:
-            x = block(x)
+            if self.checkpoint_trained and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return net.forward_head(net.norm(x), pre_logits=True)
 
 
@@ -108,7 +123,11 @@ def _block_index(name: str) -> int:
 
 
 def build_backbone(
-    cfg: ModelConfig, net: nn.Module | None = None, feat_dim: int | None = None, frozen_bf16: bool = False
+    cfg: ModelConfig,
+    net: nn.Module | None = None,
+    feat_dim: int | None = None,
+    frozen_bf16: bool = False,
+    checkpoint_trained: bool = False,
 ) -> Backbone:
     """The backbone from `net` (any module, with `feat_dim`), or the timm `cfg.backbone` + a local checkpoint."""
     if net is None:
@@ -121,7 +140,7 @@ def build_backbone(
             load_backbone_weights(net, cfg.pretrained)
     elif feat_dim is None:
         raise ValueError("a custom backbone module needs its feat_dim")
-    return Backbone(net, feat_dim, cfg.grad_from_block, frozen_bf16)
+    return Backbone(net, feat_dim, cfg.grad_from_block, frozen_bf16, checkpoint_trained)
 
 
 def load_backbone_weights(net: nn.Module, path: str | Path) -> None:
@@ -228,9 +247,23 @@ class ModelOutput:
 
 
 class InfoSieve(nn.Module):
-    def __init__(self, cfg: ModelConfig, n_old: int, backbone: Backbone | None = None, frozen_bf16: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        n_old: int,
+        backbone: Backbone | None = None,
+        frozen_bf16: bool = False,
+        checkpoint_trained: bool = False,
+    ):
         super().__init__()
-        self.backbone = backbone if backbone is not None else build_backbone(cfg, frozen_bf16=frozen_bf16)
+        if backbone is None:
+            backbone = build_backbone(cfg, frozen_bf16=frozen_bf16, checkpoint_trained=checkpoint_trained)
+        elif frozen_bf16 or checkpoint_trained:
+            raise ValueError(
+                "train.frozen_bf16 / train.checkpoint_blocks apply to the backbone built from the config; for a custom "
+                "backbone pass them to Backbone(...) yourself"
+            )
+        self.backbone = backbone
         self.projection = ProjectionHead(
             self.backbone.feat_dim, cfg.proj_hidden_dim, cfg.proj_bottleneck_dim, cfg.proj_out_dim, cfg.proj_layers
         )

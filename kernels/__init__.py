@@ -18,7 +18,16 @@ from .reference import CodeHead, positional_weights
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "INFOSIEVE_KERNELS"
 
-__all__ = ["BACKENDS", "CodeHead", "code_head", "info_nce_loss", "positional_weights", "resolve_backend", "supcon_loss"]
+__all__ = [
+    "BACKENDS",
+    "CodeHead",
+    "code_head",
+    "info_nce_and_supcon",
+    "info_nce_loss",
+    "positional_weights",
+    "resolve_backend",
+    "supcon_loss",
+]
 
 
 def resolve_backend(backend: str, tensor: Tensor) -> str:
@@ -69,3 +78,19 @@ def supcon_loss(
     """See `reference.supcon_loss`."""
     fn = _impl("contrastive", "supcon_loss", backend, features)
     return fn(features, labels, temperature, base_temperature, is_code)
+
+
+def info_nce_and_supcon(
+    features: Tensor,
+    supcon_labels: list[Tensor],
+    temperature: float = 1.0,
+    label_smoothing: float = 0.0,
+    supcon_temperature: float = 0.07,
+    base_temperature: float = 0.07,
+    is_code: bool = False,
+    *,
+    backend="auto",
+) -> tuple[Tensor, list[Tensor]]:
+    """See `reference.info_nce_and_supcon`; the fused version computes one Gram matrix for all the terms."""
+    fn = _impl("contrastive", "info_nce_and_supcon", backend, features)
+    return fn(features, supcon_labels, temperature, label_smoothing, supcon_temperature, base_temperature, is_code)

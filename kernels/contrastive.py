@@ -499,9 +499,29 @@ def _check_positive(value, what: str, name: str) -> float:
     return value
 
 
-class _Contrastive(torch.autograd.Function):
+class _Gram(torch.autograd.Function):
+    """G = F F^T in the accumulation dtype, shared by several losses; backward (dG + dG^T) F: one GEMM for all."""
+
     @staticmethod
-    def forward(ctx, features, labels, supcon, inv_t, p1, is_code, gram):
+    def forward(ctx, features, acc):
+        ctx.save_for_backward(features)
+        xc = features if features.dtype == acc else features.to(acc)
+        return torch.mm(xc, xc.t())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_g):
+        (features,) = ctx.saved_tensors
+        xc = features if features.dtype == grad_g.dtype else features.to(grad_g.dtype)
+        return torch.mm(grad_g + grad_g.t(), xc).to(features.dtype), None
+
+
+class _Contrastive(torch.autograd.Function):
+    """One loss over `features`; with `given_g` (a `_Gram` of them) the loss is computed from it and its gradient
+    goes to `given_g` (M / 2: the backward's M is symmetric and d(F F^T) gives (dG + dG^T) F = M F)."""
+
+    @staticmethod
+    def forward(ctx, features, labels, supcon, inv_t, p1, is_code, gram, given_g=None):
         n, d = features.shape
         dev = features.device
         acc = torch.float64 if features.dtype == torch.float64 else torch.float32
@@ -515,9 +535,13 @@ class _Contrastive(torch.autograd.Function):
         loss = _buffer((), acc, dev)
         cnt = _buffer((), acc, dev) if supcon else loss
         lab = labels if supcon else lse
-        from_g = gram == "mm"
+        from_g = gram == "mm" or given_g is not None
         with _device_ctx(features):
-            if from_g:
+            if given_g is not None:
+                g = given_g
+                sq, sq_stride = g, n + 1
+                bm, bn = cfg["g_bm"], cfg["g_bn"]
+            elif from_g:
                 xc = features if features.dtype == acc else features.to(acc)
                 g = torch.mm(xc, xc.t())
                 sq, sq_stride = g, n + 1
@@ -565,14 +589,14 @@ class _Contrastive(torch.autograd.Function):
                 bufs["rowsum"] = rs
             DEBUG_HOOK("forward", bufs)
         ctx.save_for_backward(features, lab, g if from_g else sq, lse, aux, rs, prm, cnt)
-        ctx.flags = (supcon, is_code, from_g)
+        ctx.flags = (supcon, is_code, from_g, given_g is not None)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         features, lab, g_or_sq, lse, aux, rs, prm, cnt = ctx.saved_tensors
-        supcon, is_code, from_g = ctx.flags
+        supcon, is_code, from_g, to_g = ctx.flags
         n, d = features.shape
         dev = features.device
         acc = prm.dtype
@@ -607,8 +631,11 @@ class _Contrastive(torch.autograd.Function):
                 _bwd_kernel[(triton.cdiv(n, bm), 1)](
                     *head, m, n, d, *xs, n, 1, n // 2, SIGMA=False, BD=16, num_warps=warps, **consts
                 )
-                xc = features if features.dtype == acc else features.to(acc)
-                grad = torch.mm(m, xc).to(features.dtype)
+                if to_g:
+                    grad = None
+                else:
+                    xc = features if features.dtype == acc else features.to(acc)
+                    grad = torch.mm(m, xc).to(features.dtype)
             else:
                 m = None
                 grad = _buffer((n, d), features.dtype, dev)
@@ -618,13 +645,46 @@ class _Contrastive(torch.autograd.Function):
                     num_warps=warps, **consts,
                 )  # fmt: skip
         if DEBUG_HOOK is not None:
-            bufs = dict(grad=grad)
+            bufs = {} if grad is None else dict(grad=grad)
             if is_code:
                 bufs["sigma"] = sig
             if m is not None:
                 bufs["coefficients"] = m
             DEBUG_HOOK("backward", bufs)
-        return grad, None, None, None, None, None, None
+        if to_g:
+            return None, None, None, None, None, None, None, m * 0.5
+        return grad, None, None, None, None, None, None, None
+
+
+def _info_nce_args(features: Tensor, temperature, label_smoothing, name: str) -> tuple[float, float]:
+    """Checked (1 / temperature, label_smoothing) of an InfoNCE call."""
+    _check_features(features, name)
+    n = features.shape[0]
+    if n < 2 or n % 2:
+        raise ValueError(f"{name}: features must hold 2 views of B >= 1 samples (an even number of rows), got {n} rows")
+    inv_t = 1.0 / _check_positive(temperature, "temperature", name)
+    eps = float(label_smoothing)
+    if not 0.0 <= eps <= 1.0:
+        raise ValueError(f"{name}: label_smoothing must be in [0, 1], got {eps}")
+    return inv_t, eps
+
+
+def _supcon_args(features: Tensor, labels, temperature, base_temperature, name: str) -> tuple[Tensor, float, float]:
+    """Checked (int64 labels, 1 / temperature, temperature / base_temperature) of a SupCon call."""
+    _check_features(features, name)
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"{name}: labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.shape != features.shape[:1]:
+        raise ValueError(
+            f"{name}: labels must have one entry per feature row: {tuple(labels.shape)} vs {tuple(features.shape)}"
+        )
+    if labels.device != features.device:
+        raise ValueError(f"{name}: labels are on {labels.device} but features on {features.device}")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"{name}: labels must be an integer tensor (-1 = no label), got {labels.dtype}")
+    t = _check_positive(temperature, "temperature", name)
+    tb = _check_positive(base_temperature, "base_temperature", name)
+    return labels.detach().to(torch.int64).contiguous(), 1.0 / t, t / tb
 
 
 def info_nce_loss(
@@ -640,15 +700,8 @@ def info_nce_loss(
     `features` [2B, D] view-major, rows L2-normalised inside. Returns an fp32 scalar (fp64 for fp64 input).
     `gram`: "triton" (tl.dot tiles, O(N D) memory), "mm" (torch.mm Gram), or None/"auto" (`GRAM`, size rule).
     """
-    name = "info_nce_loss"
-    _check_features(features, name)
+    inv_t, eps = _info_nce_args(features, temperature, label_smoothing, "info_nce_loss")
     n, d = features.shape
-    if n < 2 or n % 2:
-        raise ValueError(f"{name}: features must hold 2 views of B >= 1 samples (an even number of rows), got {n} rows")
-    inv_t = 1.0 / _check_positive(temperature, "temperature", name)
-    eps = float(label_smoothing)
-    if not 0.0 <= eps <= 1.0:
-        raise ValueError(f"{name}: label_smoothing must be in [0, 1], got {eps}")
     return _Contrastive.apply(features, None, False, inv_t, eps, bool(is_code), _pick_gram(n, d, gram))
 
 
@@ -666,22 +719,35 @@ def supcon_loss(
     Features are not normalised. Anchors without a positive are left out of the mean; with no anchor the loss is 0.
     Returns an fp32 scalar (fp64 for fp64 input). `gram` as in `info_nce_loss`.
     """
-    name = "supcon_loss"
-    _check_features(features, name)
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"{name}: labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.shape != features.shape[:1]:
-        raise ValueError(
-            f"{name}: labels must have one entry per feature row: {tuple(labels.shape)} vs {tuple(features.shape)}"
-        )
-    if labels.device != features.device:
-        raise ValueError(f"{name}: labels are on {labels.device} but features on {features.device}")
-    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
-        raise TypeError(f"{name}: labels must be an integer tensor (-1 = no label), got {labels.dtype}")
-    t = _check_positive(temperature, "temperature", name)
-    tb = _check_positive(base_temperature, "base_temperature", name)
+    lab, inv_t, ratio = _supcon_args(features, labels, temperature, base_temperature, "supcon_loss")
     n, d = features.shape
     if n == 0:
         return features.sum(dtype=torch.float64 if features.dtype == torch.float64 else torch.float32) * 0.0
-    lab = labels.detach().to(torch.int64).contiguous()
-    return _Contrastive.apply(features, lab, True, 1.0 / t, t / tb, bool(is_code), _pick_gram(n, d, gram))
+    return _Contrastive.apply(features, lab, True, inv_t, ratio, bool(is_code), _pick_gram(n, d, gram))
+
+
+def info_nce_and_supcon(
+    features: Tensor,
+    supcon_labels: list[Tensor],
+    temperature: float = 1.0,
+    label_smoothing: float = 0.0,
+    supcon_temperature: float = 0.07,
+    base_temperature: float = 0.07,
+    is_code: bool = False,
+    *,
+    gram: str | None = None,
+) -> tuple[Tensor, list[Tensor]]:
+    """`info_nce_loss(features, ...)` and one `supcon_loss(features, labels, ...)` per label vector, sharing one Gram
+    matrix: one GEMM forward and one backward for all the terms instead of one pair each. On the tiled ("triton") path
+    there is no Gram matrix to share and the terms are computed one by one."""
+    name = "info_nce_and_supcon"
+    inv_t, eps = _info_nce_args(features, temperature, label_smoothing, name)
+    sup_args = [_supcon_args(features, y, supcon_temperature, base_temperature, name) for y in supcon_labels]
+    n, d = features.shape
+    path = _pick_gram(n, d, gram)
+    if path != "mm":
+        nce = _Contrastive.apply(features, None, False, inv_t, eps, bool(is_code), path)
+        return nce, [_Contrastive.apply(features, lab, True, it, r, bool(is_code), path) for lab, it, r in sup_args]
+    g = _Gram.apply(features, torch.float64 if features.dtype == torch.float64 else torch.float32)
+    nce = _Contrastive.apply(features, None, False, inv_t, eps, bool(is_code), path, g)
+    return nce, [_Contrastive.apply(features, lab, True, it, r, bool(is_code), path, g) for lab, it, r in sup_args]

@@ -125,3 +125,18 @@ def supcon_loss(
         return features.sum() * 0.0
     mean_log_prob_pos = (log_prob * positives).sum(1)[has_pos] / n_pos[has_pos]
     return -(temperature / base_temperature) * mean_log_prob_pos.mean()
+
+
+def info_nce_and_supcon(
+    features: Tensor,
+    supcon_labels: list[Tensor],
+    temperature: float = 1.0,
+    label_smoothing: float = 0.0,
+    supcon_temperature: float = 0.07,
+    base_temperature: float = 0.07,
+    is_code: bool = False,
+) -> tuple[Tensor, list[Tensor]]:
+    """`info_nce_loss` and one `supcon_loss` per label vector on the same features (the fused twin shares their Gram
+    matrix)."""
+    nce = info_nce_loss(features, temperature, label_smoothing, is_code)
+    return nce, [supcon_loss(features, y, supcon_temperature, base_temperature, is_code) for y in supcon_labels]

@@ -253,6 +253,50 @@ def test_half_inputs(gram, device, gen):
         _compare(C.supcon_loss, ref.supcon_loss, x, (y, 0.5, 0.07, False), gram=gram, kwargs={"gram": gram})
 
 
+@pytest.mark.parametrize("gram", GRAMS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("is_code", [False, True])
+def test_shared_gram_terms_equal_separate_calls_and_the_oracle(gram, dtype, is_code, device, gen, poisoned_buffers):
+    """InfoNCE + two SupCon terms from one Gram matrix ("mm": one GEMM forward, one backward) give the separate calls'
+    losses and the oracle's, and the gradient of a weighted sum of the three."""
+    x = _features(70, 45, dtype, device, gen)
+    gt, pseudo = _labels(70, device, gen), _labels(70, device, gen, n_classes=7)
+    args = (1.0, 0.3, 0.07, 0.1, is_code)
+
+    def total(terms):
+        nce, (a, b) = terms
+        return 0.65 * nce + 0.35 * (a + b) / 2
+
+    def shared(f):
+        return total(C.info_nce_and_supcon(f, [gt, pseudo], *args, gram=gram))
+
+    def separate(f):
+        nce = C.info_nce_loss(f, 1.0, 0.3, is_code, gram=gram)
+        return total((nce, [C.supcon_loss(f, y, 0.07, 0.1, is_code, gram=gram) for y in (gt, pseudo)]))
+
+    def oracle(f):
+        return total(ref.info_nce_and_supcon(f, [gt, pseudo], *args))
+
+    loss, grad = _compare(shared, oracle, x, (), gram=gram)
+    assert poisoned_buffers == ["forward"] * 3 + ["backward"] * 3  # every buffer of the three terms written
+    want = _run(separate, x)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(loss, want[0], rtol=rtol, atol=0)
+    torch.testing.assert_close(grad, want[1], rtol=rtol * 10, atol=rtol * want[1].abs().max().item())
+
+
+def test_shared_gram_runs_one_gemm_each_way(device, gen, monkeypatch):
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a: calls.append(a[0].shape) or real_mm(*a))
+    x = _features(16, 300, torch.float32, device, gen).requires_grad_(True)
+    y = _labels(16, device, gen)
+    nce, (a, b) = C.info_nce_and_supcon(x, [y, y.flip(0)], gram="mm")
+    assert len(calls) == 1
+    (nce + a + b).backward()
+    assert len(calls) == 2
+
+
 def test_paths_agree_and_size_rule(device, gen):
     x = _features(48, 40, torch.float64, device, gen)
     a = _run(C.info_nce_loss, x, 0.3, 0.1, True, gram="triton")
@@ -280,11 +324,13 @@ def test_no_host_sync(gram, gen, monkeypatch):
     y = _labels(64, x.device, gen)
     C.info_nce_loss(x, 1.0, 0.1, True, gram=gram)  # compile outside the check
     C.supcon_loss(x, y, 0.07, 0.07, True, gram=gram)
+    C.info_nce_and_supcon(x, [y, y.flip(0)], gram=gram)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         loss = C.info_nce_loss(x, 1.0, 0.1, True, gram=gram) + C.supcon_loss(x, y, 0.07, 0.07, True, gram=gram)
-        loss.backward()
+        nce, (a, b) = C.info_nce_and_supcon(x, [y, y.flip(0)], gram=gram)
+        (loss + nce + a + b).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
