@@ -3,8 +3,8 @@
 #
 #   GPU_CHECK_COMMIT=$(git rev-parse HEAD) RESULTS_DIR=$OUT bash benchmarks/gpu_check.sh
 #
-# The device tool copies the working tree without .git, so the caller names the commit (GPU_CHECK_COMMIT; and
-# GPU_CHECK_DIRTY=1 if the tree had uncommitted changes); with a .git folder it is read from git. Steps, in order of
+# The device tool's copy of the tree may hold no .git or a stale one, so the caller names the commit (GPU_CHECK_COMMIT;
+# GPU_CHECK_DIRTY=1 if the tree had uncommitted changes); without them it is read from git. Steps, in order of
 # importance, each under its own timeout (a failing step does not stop the others; the script exits non-zero at the
 # end if any failed):
 #   1. bench_train: the whole step (published fp32 / bf16 autocast / infosieve-fast default / + each off-by-default

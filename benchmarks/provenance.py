@@ -13,8 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_state() -> tuple[str, bool | None]:
-    """(commit, dirty) from git, else from INFOSIEVE_COMMIT / INFOSIEVE_DIRTY (gpu_check.sh sets them: the device
-    tool copies the tree without .git). dirty is None when nobody knows."""
+    """(commit, dirty): INFOSIEVE_COMMIT / INFOSIEVE_DIRTY when set (gpu_check.sh sets them from the caller, who knows
+    the commit: the device copy of the tree may carry a stale .git, which named the session's starting commit in the
+    H200 runs of fc982c1 and 71b264b), else git. dirty is None when nobody knows."""
+    if os.environ.get("INFOSIEVE_COMMIT"):
+        return os.environ["INFOSIEVE_COMMIT"], {"0": False, "1": True}.get(os.environ.get("INFOSIEVE_DIRTY", ""))
 
     def git(*args: str) -> str:
         try:
@@ -24,10 +27,7 @@ def git_state() -> tuple[str, bool | None]:
         return done.stdout.strip() if done.returncode == 0 else ""
 
     commit = git("rev-parse", "HEAD")
-    if commit:
-        return commit, bool(git("status", "--porcelain"))
-    dirty = os.environ.get("INFOSIEVE_DIRTY", "")
-    return os.environ.get("INFOSIEVE_COMMIT", "unknown"), {"0": False, "1": True}.get(dirty)
+    return (commit, bool(git("status", "--porcelain"))) if commit else ("unknown", None)
 
 
 def device_name(device: torch.device) -> str:
