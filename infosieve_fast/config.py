@@ -110,7 +110,7 @@ class TrainConfig:
     # loss are read from the device every `check_every` steps (and at the end of the epoch).
     check_every: int = 50
     frozen_bf16: bool = False  # the frozen ViT prefix stored and run in plain bf16 instead of under autocast
-    compile: bool = False  # torch.compile the backbone blocks and the heads (CUDA only; compiles for ~1 min)
+    compile: bool = False  # torch.compile the backbone blocks and the projection head (CUDA only; ~20 s to compile)
     checkpoint_blocks: bool = False  # recompute the trained ViT blocks' activations in backward (less memory)
 
 
