@@ -177,6 +177,15 @@ def _coerce(value: Any, hint, key: str):
         raise ConfigError(f"{key} may not be null")
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if base is float and isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if base is str and isinstance(value, bool) and key in CHOICES:  # YAML 1.1 reads off/on as booleans
+        word = "on" if value else "off"
+        if word in CHOICES[key]:
+            value = word
     expected = typing.get_origin(base) or base
     if expected in (int, float, str, bool, list, dict) and not isinstance(value, expected):
         raise ConfigError(f"{key} must be {expected.__name__}, got {value!r}")
@@ -189,8 +198,17 @@ def _coerce(value: Any, hint, key: str):
 
 def from_dict(values: dict) -> Config:
     cfg = _build(Config, values, "")
-    if cfg.train.check_every < 1:
-        raise ConfigError(f"train.check_every must be >= 1 (steps between loss reads), got {cfg.train.check_every}")
+    for key, value, low in (
+        ("train.check_every", cfg.train.check_every, 1),
+        ("schedule.epochs", cfg.schedule.epochs, 1),
+        ("data.batch_size", cfg.data.batch_size, 2),
+        ("data.feature_batch_size", cfg.data.feature_batch_size, 1),
+    ):
+        if value < low:
+            raise ConfigError(f"{key} must be >= {low}, got {value}: set --set {key}=<a value >= {low}>")
+    share = cfg.data.labelled_share
+    if share is not None and not 0.0 <= share <= 1.0:
+        raise ConfigError(f"data.labelled_share must lie in [0, 1] (or null for the reference's sampler), got {share}")
     return cfg
 
 

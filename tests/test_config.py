@@ -61,3 +61,24 @@ def test_defaults_are_the_reference_behaviour():
         "stale", "code", "reference", "bce",
     )  # fmt: skip
     assert (cfg.loss.label_smoothing, cfg.optim.weight_decay, cfg.data.color_jitter) == (1.0, 1e-4, 0.0)
+
+
+def test_values_people_type_are_read_as_meant():
+    cfg = load_config(None, ["train.amp=off", "optim.lr=1e-3", "optim.weight_decay=5e-5"])
+    assert (cfg.train.amp, cfg.optim.lr, cfg.optim.weight_decay) == ("off", 0.001, 5e-5)
+    with pytest.raises(ConfigError, match="train.amp must be str"):
+        load_config(None, ["train.amp=on"])  # "on" is not one of its choices: still an error, naming the key
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("schedule.epochs=-1", "schedule.epochs must be >= 1"),
+        ("data.batch_size=0", "data.batch_size must be >= 2"),
+        ("train.check_every=0", "train.check_every must be >= 1"),
+        ("data.labelled_share=1.5", r"data.labelled_share must lie in \[0, 1\]"),
+    ],
+)
+def test_out_of_range_values_fail_at_load(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
