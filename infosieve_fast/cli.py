@@ -1,4 +1,4 @@
-"""`infosieve train | eval | make-shards`."""
+"""`infosieve train | eval | tree | make-shards`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ def _train(args: argparse.Namespace) -> int:
             raise SystemExit("--resume RUN_DIR continues a run with its own config.yaml: drop --config/--out")
         run_dir = Path(args.resume)
         cfg_path = run_dir / "config.yaml"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(
+                f"--resume {run_dir}: no config.yaml there; pass the run folder an `infosieve train` run wrote "
+                "(it printed `run folder: ...`; by default runs/<config>-<timestamp>)"
+            )
         if args.set:
             raise SystemExit("--set cannot change a resumed run (its schedule must stay the same): start a new run")
         cfg = config_mod.load_config(cfg_path)

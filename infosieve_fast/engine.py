@@ -162,6 +162,12 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         self.source = source if source is not None else build_source(cfg.data, cfg.train)
+        per_step = cfg.data.batch_size * dist.get_world_size()
+        if per_step > self.source.n_train:
+            raise ValueError(
+                f"data.batch_size={cfg.data.batch_size} (x {dist.get_world_size()} ranks) is more than the "
+                f"{self.source.n_train} train samples, so an epoch has no full batch: lower data.batch_size"
+            )
         if self.device.type == "cuda" and isinstance(self.source, InMemoryGCD):
             self.source = self.source.to(self.device)  # small by definition; batches then never cross the bus
         torch.manual_seed(cfg.train.seed)

@@ -169,3 +169,14 @@ def test_a_training_step_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert monitor.check() > 0 and monitor.steps == 3
+
+
+def test_cli_errors_name_the_input_and_the_fix(tmp_path, capsys):
+    assert cli.main(["train", "--resume", str(tmp_path / "nonexistent")]) == 2
+    assert "no config.yaml there" in capsys.readouterr().err
+    assert cli.main(["train", "--config", "configs/demo.yaml", "--out", str(tmp_path / "big"),
+                     "--set", "data.batch_size=100000", "--set", "train.device=cpu"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "data.batch_size=100000" in err and "1797 train samples" in err and "lower data.batch_size" in err
+    assert not (tmp_path / "big").exists()  # refused before any work or folder
+    assert "train | eval | tree | make-shards" in cli.build_parser().format_help()
