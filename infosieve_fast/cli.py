@@ -27,7 +27,7 @@ def _train(args: argparse.Namespace) -> int:
         if args.set:
             raise SystemExit("--set cannot change a resumed run (its schedule must stay the same): start a new run")
         cfg = config_mod.load_config(cfg_path)
-        train(cfg, run_dir, resume=True)
+        _interruptible(lambda: train(cfg, run_dir, resume=True), run_dir)
         return 0
     if not args.config:
         raise SystemExit("train needs --config FILE (see configs/) or --resume RUN_DIR")
@@ -43,8 +43,19 @@ def _train(args: argparse.Namespace) -> int:
         run_dir = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{stamp}"
         if distributed.is_main_process():
             print(f"run folder: {run_dir}")
-        train(cfg, run_dir)
+        _interruptible(lambda: train(cfg, run_dir), run_dir)
     return 0
+
+
+def _interruptible(run, run_dir: Path) -> None:
+    """Ctrl-C ends a training with the way back in, not a traceback."""
+    try:
+        run()
+    except KeyboardInterrupt:
+        raise SystemExit(
+            f"interrupted: the last finished epoch's checkpoint is in {run_dir}; continue with "
+            f"`infosieve train --resume {run_dir}`"
+        ) from None
 
 
 def _eval(args: argparse.Namespace) -> int:

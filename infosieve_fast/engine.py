@@ -11,6 +11,7 @@ table and the same All/Old/New. `data.batch_size` is per rank. Only rank 0 write
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -373,6 +374,11 @@ def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
         state = ckpt.load_checkpoint(run_dir, map_location=trainer.device)
         trainer.load_state_dict(state)
         start, before = state["epoch"], state["before"]
+        metrics_path = run_dir / "metrics.json"
+        if start >= cfg.schedule.epochs and metrics_path.is_file():
+            if main:
+                print(f"{run_dir} already finished its {cfg.schedule.epochs} epochs; its result is in {metrics_path}")
+            return json.loads(metrics_path.read_text())
         if main:
             ckpt.rewrite_log(log_path, [r for r in ckpt.read_log(log_path) if r["epoch"] < start])
             print(f"resuming {run_dir} at epoch {start + 1}/{cfg.schedule.epochs}")

@@ -58,6 +58,9 @@ def test_two_epoch_demo_run_writes_its_folder_and_resume_reproduces_it(tmp_path,
             k: v for k, v in b.items() if not k.startswith("seconds")
         }
     assert resumed == full
+    log_before = (killed / "log.jsonl").read_text()
+    assert train(load_config(killed / "config.yaml"), killed, resume=True) == full  # finished: nothing reruns
+    assert (killed / "log.jsonl").read_text() == log_before
 
     assert cli.main(["eval", "--run", str(run)]) == 0
     assert cli.main(["tree", "--run", str(run), "--depth", "3"]) == 0
@@ -180,3 +183,14 @@ def test_cli_errors_name_the_input_and_the_fix(tmp_path, capsys):
     assert "data.batch_size=100000" in err and "1797 train samples" in err and "lower data.batch_size" in err
     assert not (tmp_path / "big").exists()  # refused before any work or folder
     assert "train | eval | tree | make-shards" in cli.build_parser().format_help()
+
+
+def test_ctrl_c_ends_with_the_resume_command(tmp_path, monkeypatch):
+    import infosieve_fast.engine as engine
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "train", interrupted)
+    with pytest.raises(SystemExit, match=r"infosieve train --resume .*run"):
+        cli.main(["train", "--config", "configs/demo.yaml", "--out", str(tmp_path / "run")])
