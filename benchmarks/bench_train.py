@@ -176,7 +176,7 @@ def step_functions(args, device: torch.device, variant: str, batch: Batch, pseud
         trainer = make_trainer(args, FAST_VARIANTS[variant], source)
         trainer.model.labeller.set_schedule(0.1, 2.0, 2.0)
         gen = torch.Generator(device=device).manual_seed(args.seed)
-        monitor = LossMonitor(0, device)
+        monitor = LossMonitor(0)
         return (lambda: trainer.train_step(batch, pseudo, gen, monitor)), monitor.check
     donor = make_trainer(args, [], source)  # only its weights: both sides start equal
     loop = make_published(args, n_old, device, donor)

@@ -49,8 +49,8 @@ class LossMonitor:
     still holds the last good checkpoint.
     """
 
-    def __init__(self, epoch: int, device: torch.device):
-        self.epoch, self.device, self.steps = epoch, device, 0
+    def __init__(self, epoch: int):
+        self.epoch, self.steps = epoch, 0
         self.names: list[str] = []
         self._sums: Tensor | None = None
         self._window: list[Tensor] = []  # each unchecked step's terms
@@ -149,8 +149,8 @@ def build_optimizer(model: torch.nn.Module, o, device: torch.device) -> torch.op
 
 
 def compile_model(model: InfoSieve, device: torch.device) -> None:
-    """`train.compile`: compile the backbone's blocks and the heads in place (state-dict keys unchanged). The blocks
-    share one graph; the frozen and trained ones differ only in grad mode."""
+    """`train.compile`: compile the backbone's blocks and the projection head in place (state-dict keys unchanged).
+    The blocks share one graph; the frozen and trained ones differ only in grad mode."""
     if device.type != "cuda":
         raise ValueError("train.compile=true needs CUDA (torch.compile on the CPU does not pay here): set it false")
     for block in getattr(model.backbone.net, "blocks", []):
@@ -284,7 +284,7 @@ class Trainer:
         kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
 
         gen = self._generator(rank_seed(epoch_seed(cfg.train.seed, epoch, 3)))
-        monitor = LossMonitor(epoch, self.device)
+        monitor = LossMonitor(epoch)
         batches = self.source.train_batches(cfg.data.batch_size, epoch, cfg.train.seed)
         bar = tqdm(
             batches, desc=f"epoch {epoch + 1}/{cfg.schedule.epochs}", leave=False, dynamic_ncols=True,

@@ -144,12 +144,12 @@ def test_compile_on_the_cpu_is_refused_with_the_fix():
 
 
 def test_loss_monitor_reports_the_first_non_finite_step_with_its_terms():
-    monitor = LossMonitor(epoch=3, device=torch.device("cpu"))
+    monitor = LossMonitor(epoch=3)
     for total in (1.0, 2.0, float("inf"), float("nan"), 5.0):
         monitor.record({"total": torch.tensor(total), "in": torch.tensor(total / 2)})
     with pytest.raises(NonFiniteLoss, match=r"epoch 3, step 2: total=inf, in=inf"):
         monitor.check()
-    healthy = LossMonitor(epoch=0, device=torch.device("cpu"))
+    healthy = LossMonitor(epoch=0)
     for total in (1.0, 2.0, 6.0):
         healthy.record({"total": torch.tensor(total), "in": torch.tensor(total / 2)})
     assert healthy.check() == 6.0 and healthy.means() == {"total": 3.0, "in": 1.5}
@@ -160,7 +160,7 @@ def test_a_training_step_never_waits_for_the_gpu():
     trainer = Trainer(load_config("configs/demo.yaml", [*SMOKE, "train.device=cuda"]))
     pseudo = torch.zeros(trainer.source.n_train, dtype=torch.long, device=trainer.device)
     gen = torch.Generator(device=trainer.device).manual_seed(0)
-    monitor = LossMonitor(0, trainer.device)
+    monitor = LossMonitor(0)
     batches = trainer.source.train_batches(64, epoch=0, seed=0)
     for batch in (next(batches), next(batches)):  # kernel compilation and allocator growth outside the check
         trainer.train_step(batch, pseudo, gen, monitor)
