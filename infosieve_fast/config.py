@@ -90,7 +90,14 @@ class DataConfig:
     std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
     color_jitter: float = 0.0  # the reference's ColorJitter() is the identity: 0 keeps parity
     num_workers: int = 4
-    memory_threshold_mb: float = 4096  # decode once and serve from memory below this decoded size
+    memory_threshold_mb: float = 4096  # shards: keep the decoded split in RAM below this decoded size
+    # Shards (data/stream.py). Sampling "weighted": N draws per epoch with the reference's WeightedRandomSampler
+    # weights | "shuffle": a permutation (every sample once per epoch, no re-weighting).
+    sampling: str = "weighted"
+    cache: str = "auto"  # decoded split kept on "gpu" | "cpu" | "off" (stream); "auto": GPU if it fits, else RAM
+    gpu_cache_share: float = 0.5  # cache="auto": on the GPU when the decoded split fits this share of free memory
+    decode: str = "auto"  # "auto": nvJPEG on the GPU when training on CUDA, else the CPU workers | "cpu" | "gpu"
+    max_aspect: float | None = None  # cap the stored images' longer side at this x the shorter (null: the reference)
     known_classes: int = 5  # digits only: digits 0..known_classes-1 are known
     image_size: int = 32  # digits only: the 8x8 images are upscaled to this size before cropping
     labelled_prop: float = 0.5
@@ -138,6 +145,9 @@ CHOICES = {
     "kmeans.balance": ("reference", "capacity"),
     "kmeans.backend": ("auto", "torch", "faiss"),
     "data.source": ("shards", "digits"),
+    "data.sampling": ("weighted", "shuffle"),
+    "data.cache": ("auto", "gpu", "cpu", "off"),
+    "data.decode": ("auto", "cpu", "gpu"),
     "train.amp": ("auto", "bf16", "off"),
     "train.eval_protocol": ("v1", "v2", "v2b"),
     "train.kernels": ("auto", "triton", "torch"),
@@ -206,6 +216,10 @@ def from_dict(values: dict) -> Config:
     ):
         if value < low:
             raise ConfigError(f"{key} must be >= {low}, got {value}: set --set {key}=<a value >= {low}>")
+    if not 0.0 < cfg.data.gpu_cache_share <= 1.0:
+        raise ConfigError(f"data.gpu_cache_share must lie in (0, 1], got {cfg.data.gpu_cache_share}")
+    if cfg.data.max_aspect is not None and cfg.data.max_aspect < 1.0:
+        raise ConfigError(f"data.max_aspect must be >= 1 (or null: no cap), got {cfg.data.max_aspect}")
     share = cfg.data.labelled_share
     if share is not None and not 0.0 <= share <= 1.0:
         raise ConfigError(f"data.labelled_share must lie in [0, 1] (or null for the reference's sampler), got {share}")

@@ -79,6 +79,22 @@ def all_gather_cat(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return gathered, sum(sizes_l[:rank])
 
 
+def broadcast_(t: torch.Tensor, src: int, chunk_bytes: int = 256 * 2**20) -> None:
+    """Overwrite ``t`` in place with rank ``src``'s (no-op with one process). A CPU tensor under NCCL travels through
+    the current CUDA device in chunks of ``chunk_bytes``."""
+    if get_world_size() == 1:
+        return
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":
+        flat = t.view(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), chunk_bytes):
+            part = flat[start : start + chunk_bytes]
+            staged = part.to("cuda")
+            dist.broadcast(staged, src=src)
+            part.copy_(staged)
+        return
+    dist.broadcast(t, src=src)
+
+
 def barrier() -> None:
     """Wait for every rank (no-op with one process)."""
     if get_world_size() > 1:

@@ -103,7 +103,7 @@ class FeatureSet:
     targets: Tensor  # long [n]
     labelled: Tensor  # bool [n]
     uq: Tensor  # long [n], increasing
-    all_uq: Tensor  # long [N]: every rank's `uq` concatenated in rank order (a permutation of 0..N-1)
+    all_uq: Tensor  # long [M]: every rank's `uq` concatenated in rank order (each readable sample once)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -162,7 +162,7 @@ class Trainer:
     def __init__(self, cfg: Config, source: GCDSource | None = None, backbone: Backbone | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
-        self.source = source if source is not None else build_source(cfg.data, cfg.train)
+        self.source = source if source is not None else build_source(cfg.data, cfg.train, self.device)
         per_step = cfg.data.batch_size * dist.get_world_size()
         if per_step > self.source.n_train:
             raise ValueError(
@@ -188,6 +188,7 @@ class Trainer:
         # zero gradient, not none), and the frozen backbone prefix has requires_grad=False, so DDP needs no
         # find_unused_parameters.
         self.net: torch.nn.Module = self.model
+        self.unreadable: list[int] = []  # uq of the train samples no rank could read (found by the feature passes)
         if dist.get_world_size() > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
@@ -209,9 +210,9 @@ class Trainer:
         for batch in self.source.feature_batches(self.cfg.data.feature_batch_size):
             batch = batch.to(self.device, non_blocking=True)
             x = (
-                self.augment.train_views(batch.images, 1, gen)
+                self.augment.train_views(batch.images, 1, gen, batch.sizes)
                 if view == "train"
-                else self.augment.test_view(batch.images)
+                else self.augment.test_view(batch.images, batch.sizes)
             )
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 f = embed(x)
@@ -225,19 +226,26 @@ class Trainer:
             uq = torch.empty(0, dtype=torch.long, device=self.device)
         uq, order = uq.long().sort()
         all_uq = dist.all_gather_cat(uq)[0]
+        unreadable = dist.all_gather_cat(torch.as_tensor(self.source.unreadable(), dtype=torch.long,
+                                                         device=self.device))[0].unique()  # fmt: skip
         n = self.source.n_train
-        if len(all_uq) != n or bool((torch.bincount(all_uq.clamp(0, n - 1), minlength=n) != 1).any()):
+        seen = torch.bincount(torch.cat([all_uq, unreadable]).clamp(0, n - 1), minlength=n)
+        if len(all_uq) + len(unreadable) != n or bool((seen != 1).any()):
             raise RuntimeError(
-                f"the feature pass delivered {len(all_uq)} samples for a train set of {n}, not every uq once: "
-                "check the data source's uq ids (and, under torchrun, that each rank reads only its share)"
+                f"the feature pass delivered {len(all_uq)} samples and {len(unreadable)} unreadable ones for a train "
+                f"set of {n}, not every uq once: check the data source's uq ids (and, under torchrun, that each rank "
+                "reads only its share)"
             )
+        if len(unreadable) != len(self.unreadable):
+            self.unreadable = unreadable.tolist()
+            self.source.exclude(self.unreadable)  # never drawn for training
         return FeatureSet(feats[order], targets[order].long(), labelled[order].bool(), uq, all_uq)
 
-    def gather_table(self, fs: FeatureSet, values: Tensor) -> Tensor:
+    def gather_table(self, fs: FeatureSet, values: Tensor, fill: int = -1) -> Tensor:
         """Per-sample `values` of this rank's share (aligned with `fs.uq`) as the complete table indexed by uq,
-        identical on every rank."""
+        identical on every rank; `fill` where a sample is unreadable."""
         gathered = dist.all_gather_cat(values)[0]
-        table = torch.empty((self.source.n_train, *values.shape[1:]), dtype=values.dtype, device=values.device)
+        table = torch.full((self.source.n_train, *values.shape[1:]), fill, dtype=values.dtype, device=values.device)
         table[fs.all_uq] = gathered
         return table
 
@@ -263,7 +271,7 @@ class Trainer:
         fs = self.extract_features("test")
         preds, _ = self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced)
         targets = self.gather_table(fs, fs.targets)
-        unl = ~self.gather_table(fs, fs.labelled.long()).bool()
+        unl = self.gather_table(fs, (~fs.labelled).long(), fill=0).bool()  # unlabelled and readable
         y = targets[unl]
         return evaluate_split(y, preds[unl], y < self.source.n_old, self.cfg.train.eval_protocol)
 
@@ -301,7 +309,8 @@ class Trainer:
                 "the epoch had no full batch: lower data.batch_size (per rank) or use more training data"
             )
         monitor.check()
-        record = {"epoch": epoch, "lr": sched.lr, "age": sched.age, "base": sched.base, "steps": monitor.steps}
+        record = {"epoch": epoch, "lr": sched.lr, "age": sched.age, "base": sched.base, "steps": monitor.steps,
+                  "unreadable": len(self.unreadable)}  # fmt: skip
         record.update({f"loss_{k}": v for k, v in monitor.means().items()})
         end = time.perf_counter()  # monitor.check() read the device: the steps have finished
         record.update({
@@ -313,7 +322,7 @@ class Trainer:
     def train_step(self, batch: Batch, pseudo: Tensor, gen: torch.Generator, monitor: LossMonitor) -> None:
         """One two-view step; nothing in it waits for the device (the monitor reads the loss later)."""
         batch = batch.to(self.device, non_blocking=True)
-        views = self.augment.train_views(batch.images, 2, gen)
+        views = self.augment.train_views(batch.images, 2, gen, batch.sizes)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             out = self.net(views)
         total, parts = self.loss_fn(out, batch.targets, batch.labelled, pseudo[batch.uq])
@@ -393,6 +402,7 @@ def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
     for epoch in range(start, cfg.schedule.epochs):
         record = trainer.train_epoch(epoch)
         if main:
+            write_unreadable(run_dir, trainer)
             ckpt.save_checkpoint(run_dir, trainer.state_dict(epoch + 1, before))
             ckpt.append_log(log_path, record)
             print(
@@ -409,6 +419,15 @@ def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
     print_table({"before": before, "after": after}, cfg.train.eval_protocol)
     dist.barrier()
     return metrics
+
+
+def write_unreadable(run_dir: Path, trainer: Trainer) -> None:
+    """`RUN/unreadable.json`: the train samples left out because they could not be read (only when there are some)."""
+    if not trainer.unreadable:
+        return
+    describe = getattr(trainer.source, "describe", lambda uq: {"uq": uq})
+    entries = [describe(uq) for uq in trainer.unreadable]
+    ckpt.write_json(run_dir / "unreadable.json", {"count": len(entries), "samples": entries})
 
 
 def evaluate_run(run_dir: str | Path) -> dict[str, float]:

@@ -53,9 +53,10 @@ def _check_split(raw) -> None:
 
 def test_class_lists_partition_and_pin():
     for name, n in [("cub", 200), ("scars", 196), ("aircraft", 100), ("herbarium19", 683), ("cifar10", 10),
-                    ("cifar100", 100), ("pets", 37), ("imagenet100", 100)]:  # fmt: skip
+                    ("cifar100", 100), ("pets", 37), ("imagenet100", 100), ("imagenet1k", 1000)]:  # fmt: skip
         cs = class_split(name)
         assert sorted(cs.order) == list(range(n)), name
+    assert class_split("imagenet1k").known == tuple(range(500))  # GCD: range(500) of the sorted wnid folders
     assert (len(splits.CUB_KNOWN), len(splits.SCARS_KNOWN), len(splits.AIRCRAFT_KNOWN)) == (100, 98, 50)
     assert len(splits.HERBARIUM19_OLD) == 341 and splits.herbarium19_new() == sorted(
         set(range(683)) - set(splits.HERBARIUM19_OLD)
@@ -98,6 +99,9 @@ def test_check_counts_against_reference_table():
     assert check_counts("cifar10", counts | {"train": 500}) == []  # a partial copy is not compared
     # CUB: 5,994 train images, ~30 per class -> 1,498 labelled (REFERENCE.md §7 [EST])
     assert check_counts("cub", {"train": 5994, "labelled": 1498, "unlabelled": 4496, "test": 5794}) == []
+    # ImageNet-1k: the totals do not fix the first 500 classes' image count, so nothing is compared
+    assert "imagenet1k" not in splits.EXPECTED_COUNTS
+    assert check_counts("imagenet1k", {"train": 1_281_167, "labelled": 1, "unlabelled": 1, "test": 50_000}) == []
 
 
 # ---- native-layout readers -------------------------------------------------------------------------------------

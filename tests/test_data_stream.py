@@ -128,7 +128,7 @@ def test_tar_reader_matches_webdataset(shards, tmp_path, fmt):
     import io
     import tarfile
 
-    from infosieve_fast.data.stream import tar_samples
+    from infosieve_fast.data.tar import tar_samples
 
     if fmt == "shard":
         path = str(next(iter(sorted(shards["one"].glob("*-train-*.tar")))))
@@ -159,7 +159,7 @@ def test_tar_reader_damage(shards, tmp_path):
     """A truncated or corrupted shard: the samples before the damage, then `tarfile.ReadError`."""
     import tarfile
 
-    from infosieve_fast.data.stream import tar_samples
+    from infosieve_fast.data.tar import tar_samples
 
     shard = next(iter(sorted(shards["one"].glob("*-train-*.tar"))))
     src = shard.read_bytes()
@@ -175,11 +175,3 @@ def test_tar_reader_damage(shards, tmp_path):
         assert 0 < len(got) < len(whole) and all(
             g == {**w, "__url__": g["__url__"]} for g, w in zip(got, whole, strict=False)
         )
-
-
-def test_webdataset_reader_still_works(shards, monkeypatch):
-    import infosieve_fast.data.stream as stream
-
-    monkeypatch.setattr(stream, "TAR_READER", "webdataset")
-    src = ShardSource(shards["many"], memory_threshold_mb=0, num_workers=0)
-    assert sorted(_uqs(src.feature_batches(64))) == list(range(N))

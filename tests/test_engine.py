@@ -101,7 +101,7 @@ def test_cli_reports_config_errors(tmp_path, capsys):
     assert "optim.lr must be float" in capsys.readouterr().err
 
 
-def test_training_runs_from_shards(tmp_path, realdata):
+def _cifar_shards(tmp_path, realdata):
     from infosieve_fast.data.shards import make_shards
 
     raw = tmp_path / "raw"
@@ -111,16 +111,43 @@ def test_training_runs_from_shards(tmp_path, realdata):
             (raw / cls / src.name).symlink_to(src)
     manifest = make_shards("imagefolder", raw, tmp_path / "shards", resize=40, known_classes=[0, 1], progress=False)
     assert (manifest["n_old"], manifest["n_classes"]) == (2, 4)
-    cfg = load_config(
+    return load_config(
         "configs/demo.yaml",
         SMOKE[:1] + SMOKE[2:] + [
             "data.source=shards", f"data.shards={tmp_path / 'shards'}", "data.batch_size=32", "data.num_workers=0",
             "model.backbone_kwargs={in_chans: 3}", "data.mean=[0.5, 0.5, 0.5]", "data.std=[0.25, 0.25, 0.25]",
         ],
     )  # fmt: skip
-    metrics = train(cfg, tmp_path / "run")
+
+
+def test_training_runs_from_shards(tmp_path, realdata):
+    metrics = train(_cifar_shards(tmp_path, realdata), tmp_path / "run")
     log = read_log(tmp_path / "run" / "log.jsonl")
     assert [r["steps"] for r in log] == [3, 3]  # 96 samples // 32
+    assert [r["unreadable"] for r in log] == [0, 0] and not (tmp_path / "run" / "unreadable.json").exists()
+    assert all(0 <= metrics[s]["all"] <= 1 for s in ("before", "after"))
+
+
+@pytest.mark.parametrize("cache", ["off", "cpu"])
+def test_an_unreadable_image_is_left_out_and_listed(tmp_path, realdata, cache):
+    """A JPEG whose Huffman table is damaged: the run finishes without it, logs the count and lists it."""
+    from infosieve_fast.data.tar import index_shards
+
+    cfg = _cifar_shards(tmp_path, realdata)
+    shard = sorted((tmp_path / "shards").glob("*-train-*.tar"))[0]
+    index, _ = index_shards([str(shard)])
+    data = bytearray(shard.read_bytes())
+    a, n = int(index.offset[5]), int(index.length[5])
+    dht = data.find(b"\xff\xc4", a, a + n)
+    data[dht + 4 : dht + 40] = b"\xff" * 36
+    shard.write_bytes(bytes(data))
+    cfg.data.cache = cache
+    metrics = train(cfg, tmp_path / "run")
+    log = read_log(tmp_path / "run" / "log.jsonl")
+    assert [r["steps"] for r in log] == [2, 2]  # 95 readable samples // 32
+    assert [r["unreadable"] for r in log] == [1, 1]
+    listed = json.loads((tmp_path / "run" / "unreadable.json").read_text())
+    assert listed == {"count": 1, "samples": [{"uq": int(index.uq[5]), "shard": shard.name, "offset": a}]}
     assert all(0 <= metrics[s]["all"] <= 1 for s in ("before", "after"))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..config import DataConfig, TrainConfig
 from .base import Batch, GCDSource
 from .memory import InMemoryGCD, digits
@@ -9,8 +11,9 @@ from .memory import InMemoryGCD, digits
 __all__ = ["Batch", "GCDSource", "InMemoryGCD", "build_source", "digits"]
 
 
-def build_source(data: DataConfig, train: TrainConfig) -> GCDSource:
-    """The train set named by `data.source`, cut to `train.train_subset` samples when set (smoke runs)."""
+def build_source(data: DataConfig, train: TrainConfig, device: torch.device | None = None) -> GCDSource:
+    """The train set named by `data.source`, cut to `train.train_subset` samples when set (smoke runs); shard batches
+    are delivered on `device` (the training device: it also decides GPU decoding and a GPU cache)."""
     if data.source == "digits":
         source = digits(data.known_classes, data.labelled_prop, data.split_seed, data.image_size, data.labelled_share)
         if train.train_subset is not None:
@@ -29,4 +32,10 @@ def build_source(data: DataConfig, train: TrainConfig) -> GCDSource:
         memory_threshold_mb=data.memory_threshold_mb,
         num_workers=data.num_workers,
         seed=train.seed,
+        device=device,
+        sampling=data.sampling,
+        cache=data.cache,
+        gpu_cache_share=data.gpu_cache_share,
+        decode=data.decode,
+        max_aspect=data.max_aspect,
     )

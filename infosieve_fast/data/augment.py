@@ -122,19 +122,24 @@ class DeviceAugment:
         self._pool = BufferPool(2)  # CPU outputs (views, test views)
         self._affine: dict[tuple, tuple[Tensor, Tensor]] = {}
 
-    def _check(self, images: Tensor) -> None:
+    def _check(self, images: Tensor, sizes: Tensor | None) -> Tensor | None:
+        """Validates the batch; returns `sizes` (on the images' device), or None when every image fills the batch."""
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"images must be a uint8 [B, C, H, W] batch, got {images.dtype} {tuple(images.shape)}")
         h, w = images.shape[-2:]
+        if sizes is not None:
+            sizes = sizes.to(images.device)
+            h, w = (int(v) for v in sizes.min(0).values) if len(sizes) else (h, w)
         if min(h, w) < self.cfg.crop_size:
             raise ValueError(
-                f"images of {h}x{w} are smaller than crop_size={self.cfg.crop_size}: lower the crop size or store "
+                f"an image of {h}x{w} is smaller than crop_size={self.cfg.crop_size}: lower the crop size or store "
                 "larger images"
             )
         if len(self.cfg.mean) != images.shape[1] or len(self.cfg.std) != images.shape[1]:
             raise ValueError(
                 f"mean/std have {len(self.cfg.mean)} entries but the images have {images.shape[1]} channels"
             )
+        return sizes
 
     def _scale_bias(self, device: torch.device, normalise: bool) -> tuple[Tensor, Tensor]:
         """Per-channel (a, b), shape [C, 1, 1], with x_uint8 * a + b = the normalised value (or x / 255)."""
@@ -154,48 +159,67 @@ class DeviceAugment:
         std = torch.tensor(self.cfg.std, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
         return (x - mean) / std
 
-    def test_view(self, images: Tensor) -> Tensor:
-        """Centre crop and normalise: float32 [B, C, crop, crop]."""
-        self._check(images)
+    def test_view(self, images: Tensor, sizes: Tensor | None = None) -> Tensor:
+        """Centre crop (of each image's own size when `sizes` is given) and normalise: float32 [B, C, crop, crop]."""
+        sizes = self._check(images, sizes)
         b, _, h, w = images.shape
         c = self.cfg.crop_size
-        top, left = (h - c) // 2, (w - c) // 2
+        if sizes is None:
+            top, left = torch.full((b,), (h - c) // 2), torch.full((b,), (w - c) // 2)
+        else:
+            top, left = (sizes[:, 0] - c) // 2, (sizes[:, 1] - c) // 2
         if images.device.type == "cpu":
-            return self._views_loop(images, 1, [top] * b, [left] * b, [False] * b, normalise=True)
-        a, bias = self._scale_bias(images.device, True)
-        return torch.addcmul(bias, images[..., top : top + c, left : left + c].float(), a)
+            return self._views_loop(images, 1, top.tolist(), left.tolist(), [False] * b, normalise=True)
+        if sizes is None:  # one slice of the whole batch
+            a, bias = self._scale_bias(images.device, True)
+            return torch.addcmul(bias, images[..., (h - c) // 2 : (h - c) // 2 + c, (w - c) // 2 : (w - c) // 2 + c]
+                                 .float(), a)  # fmt: skip
+        return self._gather(images, b, top, left, None, normalise=True)
 
-    def train_views(self, images: Tensor, n_views: int, generator: torch.Generator) -> Tensor:
+    def train_views(
+        self, images: Tensor, n_views: int, generator: torch.Generator, sizes: Tensor | None = None
+    ) -> Tensor:
         """`n_views` independent augmentations, view-major: float32 [n_views * B, C, crop, crop].
 
         `generator` must live on the images' device; random draws come only from it (in this order: n tops, n lefts,
-        n flip coins, then the jitter factors), so runs are reproducible. On the CPU the views are cut with a per-view
-        loop over slices of the uint8 batch, each converted and normalised while it is in cache, into a reused output
-        buffer (`BufferPool`); elsewhere with one batched gather. Both paths make the same draws and give the same
-        views.
+        n flip coins, then the jitter factors), so runs are reproducible. With `sizes` (images of different sizes,
+        padded into the batch) each crop lies inside its image: offsets are drawn uniformly as floor(u * range) from
+        n uniforms instead of n integers. On the CPU the views are cut with a per-view loop over slices of the uint8
+        batch, each converted and normalised while it is in cache, into a reused output buffer (`BufferPool`);
+        elsewhere with one batched gather. Both paths make the same draws and give the same views.
         """
-        self._check(images)
+        sizes = self._check(images, sizes)
         b, _, h, w = images.shape
         c = self.cfg.crop_size
         dev = images.device
         n = n_views * b
-        top = torch.randint(0, h - c + 1, (n,), generator=generator, device=dev)
-        left = torch.randint(0, w - c + 1, (n,), generator=generator, device=dev)
+        if sizes is None:
+            top = torch.randint(0, h - c + 1, (n,), generator=generator, device=dev)
+            left = torch.randint(0, w - c + 1, (n,), generator=generator, device=dev)
+        else:
+            span = (sizes - c + 1).repeat(n_views, 1)
+            top = (torch.rand(n, generator=generator, device=dev) * span[:, 0]).long().clamp_max_(span[:, 0] - 1)
+            left = (torch.rand(n, generator=generator, device=dev) * span[:, 1]).long().clamp_max_(span[:, 1] - 1)
         flip = torch.rand(n, generator=generator, device=dev) < 0.5 if self.cfg.hflip else None
         jitter = self.cfg.color_jitter > 0
         if dev.type == "cpu" and not self._gather_on_cpu:
             flips = flip.tolist() if flip is not None else [False] * n
             x = self._views_loop(images, n_views, top.tolist(), left.tolist(), flips, normalise=not jitter)
-            return self._normalise(self._jitter(x, generator)) if jitter else x
+        else:
+            x = self._gather(images, n, top, left, flip, normalise=not jitter)
+        return self._normalise(self._jitter(x, generator)) if jitter else x
+
+    def _gather(self, images: Tensor, n: int, top: Tensor, left: Tensor, flip: Tensor | None, normalise: bool):
+        """View i = crop (top[i], left[i]) of image i % B, flipped where `flip`: one uint8 gather, one fused pass."""
+        b, c, dev = images.shape[0], self.cfg.crop_size, images.device
         idx = (torch.arange(n, device=dev) % b)[:, None, None, None]
         rows = (top[:, None] + torch.arange(c, device=dev)[None, :])[:, None, :, None]
         cols = (left[:, None] + torch.arange(c, device=dev)[None, :])[:, None, None, :]
         if flip is not None:
             cols = torch.where(flip[:, None, None, None], cols.flip(-1), cols)
         chan = torch.arange(images.shape[1], device=dev)[None, :, None, None]
-        a, bias = self._scale_bias(dev, not jitter)
-        x = torch.addcmul(bias, images[idx, chan, rows, cols].float(), a)  # uint8 gather, then one fused pass
-        return self._normalise(self._jitter(x, generator)) if jitter else x
+        a, bias = self._scale_bias(dev, normalise)
+        return torch.addcmul(bias, images[idx, chan, rows, cols].float(), a)
 
     def _views_loop(
         self, images: Tensor, n_views: int, tops: list[int], lefts: list[int], flips: list[bool], normalise: bool

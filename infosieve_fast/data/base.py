@@ -18,10 +18,14 @@ class Batch:
     targets: Tensor  # long [B], class index with the known classes first (0..n_old-1)
     uq: Tensor  # long [B], the sample's unique index 0..n_train-1 (indexes the pseudo-label table)
     labelled: Tensor  # bool [B], True where the sample's label may be used for training
+    # long [B, 2]: each image's (height, width) when the images differ in size; they are then padded, top-left
+    # aligned, into `images` [B, C, max h, max w]. None: every image fills `images`.
+    sizes: Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
-            *(t.to(device, non_blocking=non_blocking) for t in (self.images, self.targets, self.uq, self.labelled))
+            *(t.to(device, non_blocking=non_blocking) for t in (self.images, self.targets, self.uq, self.labelled)),
+            None if self.sizes is None else self.sizes.to(device, non_blocking=non_blocking),
         )
 
 
@@ -37,5 +41,14 @@ class GCDSource(Protocol):
         ...
 
     def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
-        """One epoch of training batches, drawn with the configured labelled share, full batches only."""
+        """One epoch of training batches, drawn with the configured labelled share, full batches only; never a sample
+        passed to `exclude`."""
+        ...
+
+    def unreadable(self) -> list[int]:
+        """uq of the samples this rank found unreadable so far (they are left out of its feature passes)."""
+        ...
+
+    def exclude(self, uq: list[int]) -> None:
+        """Never draw these samples for training (the unreadable ones of every rank; the same list on every rank)."""
         ...

@@ -9,6 +9,7 @@ in remapping order. Nothing is decoded here; `shards.py` decodes and resizes.
 | cifar10       | `cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}` (python pickles), or that folder   |
 | cifar100      | `cifar-100-python/{train,test,meta}` (fine labels), or that folder                                 |
 | imagenet100   | `train/<wnid>/*.JPEG` (all 1000 class folders) and `val/<wnid>/*.JPEG` (val sorted into folders)   |
+| imagenet1k    | the same ILSVRC-2012 layout; val must hold the same 1000 `<wnid>` folders as train                 |
 | cub           | `CUB_200_2011/{images.txt,image_class_labels.txt,train_test_split.txt,classes.txt,images/}`        |
 | scars         | `devkit/cars_{train,meta}_annos.mat`, `cars_test_annos_withlabels.mat`, `cars_{train,test}/`;     |
 |               | or the combined `cars_annos.mat` + `car_ims/`                                                     |
@@ -37,6 +38,7 @@ DATASETS = (
     "cifar10",
     "cifar100",
     "imagenet100",
+    "imagenet1k",
     "cub",
     "scars",
     "aircraft",
@@ -45,7 +47,14 @@ DATASETS = (
     "imagefolder",
     "cubfiles",
 )
-ALIASES = {"imagenet_100": "imagenet100", "herbarium_19": "herbarium19", "stanford_cars": "scars", "cub200": "cub"}
+ALIASES = {
+    "imagenet_100": "imagenet100",
+    "imagenet_1k": "imagenet1k",
+    "imagenet-1k": "imagenet1k",
+    "herbarium_19": "herbarium19",
+    "stanford_cars": "scars",
+    "cub200": "cub",
+}
 GENERIC = ("imagefolder", "cubfiles")
 
 
@@ -206,29 +215,72 @@ def _cifar(root: Path, dataset: str) -> RawDataset:
     )  # fmt: skip
 
 
-# ---- ImageNet-100 ----------------------------------------------------------------------------------------------
+# ---- ImageNet (ILSVRC-2012 folders): ImageNet-100 and ImageNet-1k ---------------------------------------------
+
+ILSVRC_CLASSES = 1000  # class folders of the ILSVRC-2012 train set; both ImageNet datasets index into their sorted list
 
 
-def _imagenet100(root: Path) -> RawDataset:
+def _ilsvrc(root: Path, why_all: str) -> tuple[Path, Path, list[str]]:
+    """(train folder, val folder, the 1000 sorted wnids) of an ILSVRC-2012 tree `train/<wnid>/`, `val/<wnid>/`.
+
+    Refuses a train folder without exactly 1000 class folders (`why_all` says why the dataset needs them all) and a
+    val folder with no class folders (the flat val download, not yet sorted into class folders)."""
     train_dir = _need(root / "train", "ImageNet train folder (train/<wnid>/...)")
     val_dir = _need(root / "val", "ImageNet val folder sorted into class folders (val/<wnid>/...)")
     classes = _class_dirs(train_dir)
-    if len(classes) != 1000:
-        raise LayoutError(
-            f"{train_dir} has {len(classes)} class folders: ImageNet-100's classes are chosen by index from the 1000 "
-            "sorted ImageNet-1k folders, so all 1000 must be there"
-        )
-    chosen = [classes[i] for i in imagenet100_choice()]  # remapped id j = position in the sorted choice
-    train, train_labels = _image_folder(train_dir, chosen)
+    if len(classes) != ILSVRC_CLASSES:
+        raise LayoutError(f"{train_dir} has {len(classes)} class folders: {why_all}")
     if not _class_dirs(val_dir):
         raise LayoutError(f"{val_dir} has no class folders: sort the val images into val/<wnid>/ (e.g. valprep.sh)")
-    test, test_labels = _image_folder(val_dir, chosen)
-    split = class_split("imagenet100")
+    return train_dir, val_dir, classes
+
+
+def _imagenet_raw(
+    dataset: str, root: Path, train_dir: Path, val_dir: Path, classes: list[str], notes: list[str]
+) -> RawDataset:
+    """`classes` (wnids) read as an ImageFolder from train/ and val/: class id = position in `classes`."""
+    train, train_labels = _image_folder(train_dir, classes)
+    test, test_labels = _image_folder(val_dir, classes)
+    split = class_split(dataset)
     return RawDataset(
-        "imagenet100", root, chosen, list(split.known), list(split.novel), train, np.asarray(train_labels, np.int64),
-        _rel(train, root), test, np.asarray(test_labels, np.int64), _rel(test, root),
-        notes=["ImageNet-100 classes: np.random.seed(0) choice of 100 of the 1000 sorted folders, remapped 0..99"],
+        dataset, root, classes, list(split.known), list(split.novel), train, np.asarray(train_labels, np.int64),
+        _rel(train, root), test, np.asarray(test_labels, np.int64), _rel(test, root), notes=notes,
     )  # fmt: skip
+
+
+def _imagenet100(root: Path) -> RawDataset:
+    train_dir, val_dir, classes = _ilsvrc(
+        root,
+        "ImageNet-100's classes are chosen by index from the 1000 sorted ImageNet-1k folders, so all 1000 must be "
+        "there",
+    )
+    chosen = [classes[i] for i in imagenet100_choice()]  # remapped id j = position in the sorted choice
+    notes = ["ImageNet-100 classes: np.random.seed(0) choice of 100 of the 1000 sorted folders, remapped 0..99"]
+    return _imagenet_raw("imagenet100", root, train_dir, val_dir, chosen, notes)
+
+
+def _imagenet1k(root: Path) -> RawDataset:
+    train_dir, val_dir, classes = _ilsvrc(
+        root,
+        f"ImageNet-1k (ILSVRC-2012) has {ILSVRC_CLASSES}; point --root at the folder whose train/ holds all "
+        f"{ILSVRC_CLASSES} <wnid> folders (for a subset of the classes use --dataset imagefolder)",
+    )
+    val_classes = _class_dirs(val_dir)
+    if val_classes != classes:
+        diff = []
+        for what, names in (
+            ("missing", set(classes) - set(val_classes)),
+            ("not in train", set(val_classes) - set(classes)),
+        ):
+            if names:
+                few = sorted(names)[:5]
+                diff.append(f"{len(names)} {what} ({', '.join(few)}{', ...' if len(names) > len(few) else ''})")
+        raise LayoutError(
+            f"{val_dir}'s class folders differ from {train_dir}'s ({'; '.join(diff)}): sort the 50,000 val images "
+            f"into val/<wnid>/ with the train's {ILSVRC_CLASSES} wnids (e.g. valprep.sh)"
+        )
+    notes = ["ImageNet-1k classes: the 1000 sorted wnid folders, ids 0..999; known = 0..499, novel = 500..999"]
+    return _imagenet_raw("imagenet1k", root, train_dir, val_dir, classes, notes)
 
 
 # ---- CUB and CUB-style files -----------------------------------------------------------------------------------
@@ -452,6 +504,7 @@ _READERS = {
     "cifar10": lambda r: _cifar(r, "cifar10"),
     "cifar100": lambda r: _cifar(r, "cifar100"),
     "imagenet100": _imagenet100,
+    "imagenet1k": _imagenet1k,
     "cub": _cub,
     "scars": _scars,
     "aircraft": _aircraft,

@@ -49,6 +49,7 @@ class InMemoryGCD:
         if (rank is None) != (world_size is None) or (rank is not None and not 0 <= rank < world_size):
             raise ValueError(f"rank and world_size go together, 0 <= rank < world_size: got {rank}, {world_size}")
         self._rank, self._world_size = rank, world_size
+        self.present = torch.ones(len(images), dtype=torch.bool)  # False: excluded from training draws
 
     @property
     def rank(self) -> int:
@@ -78,10 +79,17 @@ class InMemoryGCD:
     def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
         """`n_train // (batch_size * world_size)` batches of `batch_size`: this rank's slice of each global batch."""
         gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        order = sample_epoch(self.labelled, self.n_train, self.labelled_share, gen).to(self.images.device)
+        n = int(self.present.sum())
+        order = sample_epoch(self.labelled, n, self.labelled_share, gen, self.present).to(self.images.device)
         step = batch_size * self.world_size
-        for start in range(self.rank * batch_size, self.n_train - step + 1 + self.rank * batch_size, step):
+        for start in range(self.rank * batch_size, n - step + 1 + self.rank * batch_size, step):
             yield self._batch(order[start : start + batch_size])
+
+    def unreadable(self) -> list[int]:
+        return []  # tensors in memory: every sample reads
+
+    def exclude(self, uq: list[int]) -> None:
+        self.present[torch.as_tensor(uq, dtype=torch.long)] = False
 
     def subset(self, n: int) -> InMemoryGCD:
         """The first `n` samples (uq renumbered 0..n-1), for smoke runs."""

@@ -2,8 +2,9 @@
 
 `labelled_subset` and `gcd_split` are the core recipe. Below them: the class lists of the eight datasets exactly as the
 reference code uses them (SSB lists with the novel classes in the order Hard + Medium + Easy, the ImageNet-100 class
-choice, the Herbarium19 `Old` list in its lexicographic-folder indices) and the counts of REFERENCE.md §7's table, so
-that a dataset read from its native layout can be checked against them.
+choice, the Herbarium19 `Old` list in its lexicographic-folder indices), ImageNet-1k's split (GCD's: the first 500
+of the 1000 sorted classes known, the same recipe) and the counts of REFERENCE.md §7's table, so that a dataset read
+from its native layout can be checked against them.
 """
 
 from __future__ import annotations
@@ -1057,13 +1058,16 @@ class ClassSplit:
 
 
 def class_split(dataset: str) -> ClassSplit:
-    """The reference's known/novel native class ids of one of the eight datasets."""
+    """The reference's known/novel native class ids of one of the eight datasets, or of ImageNet-1k (GCD's split:
+    the first 500 of the 1000 sorted wnid classes known)."""
     if dataset == "cifar10":
         return ClassSplit(tuple(range(5)), tuple(range(5, 10)))
     if dataset == "cifar100":
         return ClassSplit(tuple(range(80)), tuple(range(80, 100)))
     if dataset == "imagenet100":  # ids in the remapped 0..99 space of the 100 chosen classes
         return ClassSplit(tuple(range(50)), tuple(range(50, 100)))
+    if dataset == "imagenet1k":  # ids = positions in the 1000 sorted wnid folders; GCD's `range(500)`
+        return ClassSplit(tuple(range(500)), tuple(range(500, 1000)))
     if dataset == "cub":
         return ClassSplit(CUB_KNOWN, CUB_NOVEL)
     if dataset == "scars":
@@ -1079,6 +1083,9 @@ def class_split(dataset: str) -> ClassSplit:
 
 # REFERENCE.md §7's table, for the full official datasets. `approx`: the table gives ≈ values (relative tolerance);
 # `train` is the official train-set size, used to tell the full dataset from a partial copy.
+# ImageNet-1k has no entry, so its counts are not checked: the labelled count is half of the images of the first 500
+# sorted wnid classes, which the totals (1,281,167 train, 50,000 val) do not determine (train classes hold 732 to
+# 1,300 images each).
 EXPECTED_COUNTS: dict[str, dict] = {
     "cifar10": {"train": 50_000, "labelled": 12_500, "unlabelled": 37_500, "test": 10_000, "approx": 0.0},
     "cifar100": {"train": 50_000, "labelled": 20_000, "unlabelled": 30_000, "test": 10_000, "approx": 0.0},
