@@ -164,3 +164,56 @@ def test_an_unreadable_image_is_skipped_counted_and_never_drawn(shards, tmp_path
     drawn = torch.cat([b.uq for e in range(5) for b in src.train_batches(8, epoch=e, seed=0)])
     assert len(drawn) == 5 * (63 // 8) * 8 and uq not in drawn.tolist()
     assert src.describe(uq)["shard"] == sorted(p.name for p in broken.glob("*-train-*.tar"))[1]
+
+
+@pytest.fixture(scope="module")
+def jpeg_shards(tmp_path_factory):
+    """Smooth synthetic images of mixed shapes as JPEG shards (the format nvJPEG decodes)."""
+    base = tmp_path_factory.mktemp("jpeg")
+    for c in range(4):
+        d = base / "raw" / f"class{c}"
+        d.mkdir(parents=True)
+        for i in range(12):
+            h, w = SHAPES[(i + c) % 4]
+            y, x = np.mgrid[0:h, 0:w]
+            pixels = np.stack([x * 255 // w, y * 255 // h, np.full_like(x, 40 * c + 3 * i)], -1).astype(np.uint8)
+            Image.fromarray(pixels).save(d / f"{i:03d}.png")
+    out = base / "shards"
+    make_shards("imagefolder", base / "raw", out, shard_size_mb=0.01, resize=RESIZE, workers=1, progress=False)
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU decoding needs a CUDA device")
+def test_gpu_decode_and_gpu_cache_serve_what_the_cpu_decodes(jpeg_shards):
+    """nvJPEG batches equal libjpeg-turbo's up to IDCT/upsampling rounding; the GPU cache serves the GPU stream's
+    pixels exactly, on the device, in the same global order."""
+    dev = torch.device("cuda")
+
+    def by_uq(src):
+        return {u: img for b in src.feature_batches(8) for u, img in zip(b.uq.tolist(), _images(b), strict=True)}
+
+    cpu = by_uq(ShardSource(jpeg_shards, cache="off", decode="cpu", device=dev, num_workers=0))
+    gpu_src = ShardSource(jpeg_shards, cache="off", decode="gpu", device=dev, num_workers=2)
+    gpu = by_uq(gpu_src)
+    cached_src = ShardSource(jpeg_shards, cache="gpu", decode="gpu", device=dev, num_workers=2)
+    cached = by_uq(cached_src)
+    assert cpu.keys() == gpu.keys() == cached.keys() and len(cpu) == 48
+    for u in cpu:
+        assert gpu[u].device.type == "cuda" and cached[u].device.type == "cuda"
+        assert gpu[u].shape == cpu[u].shape and torch.equal(gpu[u], cached[u])
+        assert (gpu[u].float() - cpu[u].float()).abs().mean() < 2.0
+    assert cached_src._cache.flat.device.type == "cuda"
+    a = [b.uq.cpu() for b in gpu_src.train_batches(8, epoch=1, seed=0)]
+    b = [b.uq.cpu() for b in cached_src.train_batches(8, epoch=1, seed=0)]
+    assert torch.equal(torch.cat(a), torch.cat(b))
+
+
+def test_the_encoded_bytes_path_serves_what_the_worker_decode_path_serves(jpeg_shards):
+    """The GPU-decoding pipeline (workers ship encoded bytes, the main process decodes the whole batch with
+    `decode_gpu`) run with the CPU as its device: the same images, sizes and order as decoding in the workers."""
+    worker = ShardSource(jpeg_shards, cache="off", decode="cpu", num_workers=2)
+    batched = ShardSource(jpeg_shards, cache="off", decode="cpu", num_workers=2)
+    batched.gpu_decode = True  # decode_gpu(..., device=cpu): the same code path, on the CPU
+    for a, b in zip(worker.train_batches(8, 0, 0), batched.train_batches(8, 0, 0), strict=True):
+        assert torch.equal(a.uq, b.uq) and torch.equal(a.images, b.images)
+        assert (a.sizes is None and b.sizes is None) or torch.equal(a.sizes, b.sizes)
