@@ -217,3 +217,44 @@ def test_the_encoded_bytes_path_serves_what_the_worker_decode_path_serves(jpeg_s
     for a, b in zip(worker.train_batches(8, 0, 0), batched.train_batches(8, 0, 0), strict=True):
         assert torch.equal(a.uq, b.uq) and torch.equal(a.images, b.images)
         assert (a.sizes is None and b.sizes is None) or torch.equal(a.sizes, b.sizes)
+
+
+def _cache_worker(rank: int, port: int, shards: str, out: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                             timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        src = ShardSource(shards, cache="cpu", num_workers=0)
+        read, original = [], src._read
+        src._read = lambda batches, device=None: (
+            read.extend(int(r) for b in batches for r in b),
+            original(batches, device),
+        )[1]
+        src.load()
+        torch.save({"flat": src._cache.flat, "read": read, "unreadable": src.unreadable()}, f"{out}/rank{rank}.pt")
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_each_rank_decodes_only_its_share_of_the_cache(shards, tmp_path):
+    """Two gloo ranks: each decodes half of the split, then both hold the whole cache (equal to one process's), and
+    both know the unreadable sample that only one of them met."""
+    import shutil
+
+    import torch.multiprocessing as mp
+
+    from tests.test_kmeans_distributed import _free_port
+
+    broken = tmp_path / "broken"
+    shutil.copytree(shards, broken)
+    uq = _break_one_image(broken)
+    mp.spawn(_cache_worker, args=(_free_port(), str(broken), str(tmp_path)), nprocs=2, join=True)
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    single = ShardSource(broken, cache="cpu", num_workers=0)
+    single.load()
+    assert sorted(res[0]["read"] + res[1]["read"]) == list(range(64)) and len(res[0]["read"]) == 32
+    assert torch.equal(res[0]["flat"], single._cache.flat) and torch.equal(res[1]["flat"], single._cache.flat)
+    assert res[0]["unreadable"] == res[1]["unreadable"] == single.unreadable() == [uq]
