@@ -168,13 +168,13 @@ class ShardIndex:
         return len(self.uq)
 
 
-def index_shard(path: str) -> tuple[list[tuple], str | None]:
-    """([(offset, length, h, w, cls, uq, lab)] of the readable samples of one shard, problem or None)."""
+def index_shard(path: str) -> tuple[np.ndarray, str | None]:
+    """(int64 [n, 7]: offset, length, h, w, cls, uq, lab of the readable samples of one shard; problem or None)."""
     rows: list[tuple] = []
     try:
         mm = open_mmap(path)
     except (OSError, tarfile.ReadError) as exn:
-        return rows, f"{path}: {type(exn).__name__}: {exn}"
+        return np.zeros((0, 7), np.int64), f"{path}: {type(exn).__name__}: {exn}"
     problem = None
     try:
         for key, parts in _sample_spans(mm):
@@ -194,22 +194,25 @@ def index_shard(path: str) -> tuple[list[tuple], str | None]:
         problem = f"{path}: {exn}; the samples after the damage are unreadable"
     finally:
         mm.close()
-    return rows, problem
+    return np.asarray(rows, np.int64).reshape(-1, 7), problem
 
 
-def index_shards(paths: list[str]) -> tuple[ShardIndex, list[str]]:
-    """The index of every readable sample of `paths`, and the problems met (damaged shards, unreadable headers)."""
-    cols: list[list] = [[] for _ in range(8)]
-    problems = []
-    for i, path in enumerate(paths):
-        rows, problem = index_shard(path)
-        if problem:
-            problems.append(problem)
-        cols[0].extend([i] * len(rows))
-        for j, col in enumerate(zip(*rows, strict=True) if rows else [()] * 7):
-            cols[j + 1].extend(col)
-    offset, length, h, w, cls, uq, lab = (np.asarray(c, np.int64) for c in cols[1:])
-    index = ShardIndex(
-        np.asarray(cols[0], np.int32), offset, length, np.stack([h, w], 1).reshape(-1, 2), cls, uq, lab.astype(bool)
+def index_shards(paths: list[str], processes: int | None = None) -> tuple[ShardIndex, list[str]]:
+    """The index of every readable sample of `paths`, and the problems met (damaged shards, unreadable headers).
+
+    The shards are indexed in parallel by `processes` (default: one per CPU core, up to one per shard): the header
+    walk costs ~30 us per sample in Python, ~40 s for ImageNet-1k on one core."""
+    processes = min(len(paths), processes or os.cpu_count() or 1)
+    if processes > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            results = pool.map(index_shard, paths, chunksize=1)
+    else:
+        results = [index_shard(p) for p in paths]
+    shard = np.concatenate(
+        [np.full(len(r), i, np.int32) for i, (r, _) in enumerate(results)] or [np.zeros(0, np.int32)]
     )
-    return index, problems
+    rows = np.concatenate([r for r, _ in results] or [np.zeros((0, 7), np.int64)])
+    index = ShardIndex(shard, rows[:, 0], rows[:, 1], rows[:, 2:4], rows[:, 4], rows[:, 5], rows[:, 6].astype(bool))
+    return index, [p for _, p in results if p]
