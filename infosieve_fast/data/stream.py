@@ -42,13 +42,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from .. import distributed as dist
+from ..config import DataConfig
 from .augment import BufferPool, cpu_threads
 from .base import Batch
 from .decode import cap_aspect, capped_hw, decode_cpu, decode_gpu, pad_into
 from .sampler import sample_epoch
 from .tar import ShardIndex, index_shards, open_mmap
 
-DEFAULT_MEMORY_THRESHOLD_MB = 8192.0
 CACHE_MODES = ("auto", "gpu", "cpu", "off")
 DECODE_MODES = ("auto", "cpu", "gpu")
 SAMPLING_MODES = ("weighted", "shuffle")
@@ -173,7 +173,7 @@ class ShardSource:
         *,
         split: str = "train",
         labelled_share: float | None = None,
-        memory_threshold_mb: float = DEFAULT_MEMORY_THRESHOLD_MB,
+        memory_threshold_mb: float = DataConfig.memory_threshold_mb,
         rank: int | None = None,
         world_size: int | None = None,
         num_workers: int = 2,
