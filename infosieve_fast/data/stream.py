@@ -52,6 +52,9 @@ from .tar import ShardIndex, index_shards, open_mmap
 CACHE_MODES = ("auto", "gpu", "cpu", "off")
 DECODE_MODES = ("auto", "cpu", "gpu")
 SAMPLING_MODES = ("weighted", "shuffle")
+# Each pass starts its own DataLoader workers: forked ones start in milliseconds, spawned ones re-import torch (seconds
+# per pass), which is the default outside Linux and from Python 3.14 (forkserver). The workers never touch CUDA.
+_WORKER_START = "fork" if "fork" in __import__("multiprocessing").get_all_start_methods() else None
 
 
 def _report(msg: str) -> None:
@@ -292,6 +295,7 @@ class ShardSource:
             parts_iter = iter(DataLoader(
                 reader, batch_sampler=[rows.tolist() for rows in batches], num_workers=workers,
                 collate_fn=_as_is, pin_memory=self.device.type == "cuda", prefetch_factor=2,
+                multiprocessing_context=_WORKER_START,
             ))  # fmt: skip
         for parts in parts_iter:
             images, sizes, cls, uq, lab, failed = parts
