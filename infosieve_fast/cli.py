@@ -1,4 +1,4 @@
-"""`infosieve train | eval | tree | make-shards`."""
+"""`infosieve train | eval | tree | estimate-k | make-shards`."""
 
 from __future__ import annotations
 
@@ -79,6 +79,34 @@ def _tree(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate_k(args: argparse.Namespace) -> int:
+    import json
+
+    from .estimate_k import estimate_k, load_features
+
+    if bool(args.run) == bool(args.features):
+        raise SystemExit("estimate-k needs exactly one of --run RUN_DIR or --features FILE.npz")
+    if args.features:
+        if args.known_classes is None:
+            raise SystemExit("--features needs --known-classes C (classes 0..C-1 are known, half of them labelled)")
+        feats, targets, labelled = load_features(args.features, args.known_classes)
+        n_old = args.known_classes
+    else:
+        from .engine import trainer_from_run
+
+        trainer = trainer_from_run(args.run)
+        fs = trainer.extract_features("test")
+        feats, targets, labelled = fs.feats.cpu().numpy(), fs.targets.cpu().numpy(), fs.labelled.cpu().numpy()
+        n_old = trainer.source.n_old
+    result = estimate_k(feats, targets, labelled, n_old, k_max=args.k_max, n_seeds=args.seeds,
+                        progress=lambda msg: print(msg, file=sys.stderr))  # fmt: skip
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
 def _make_shards(args: argparse.Namespace) -> int:
     return shards.run_cli(args)
 
@@ -104,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=6, help="deepest code prefix shown (default 6)")
     p.add_argument("--json", help="where to write the tree (default RUN_DIR/tree.json)")
     p.set_defaults(func=_tree)
+
+    p = sub.add_parser("estimate-k", help="estimate the number of categories (GCD's method) from a run or features")
+    p.add_argument("--run", metavar="RUN_DIR", help="a run folder: its checkpoint's features of the train samples")
+    p.add_argument("--features", metavar="FILE.npz", help="an .npz with F [N, D] and y [N]")
+    p.add_argument("--known-classes", type=int, metavar="C", help="with --features: classes 0..C-1 are known")
+    p.add_argument("--k-max", type=int, help="largest K searched (default 4 x the known classes)")
+    p.add_argument("--seeds", type=int, default=4, help="k-means runs averaged per K (default 4)")
+    p.add_argument("--json", help="also write the result here")
+    p.set_defaults(func=_estimate_k)
 
     p = sub.add_parser("make-shards", help="write a dataset's GCD split as WebDataset shards")
     shards.add_cli_arguments(p)
