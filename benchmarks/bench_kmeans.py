@@ -10,6 +10,16 @@ equal-restarts inertia comparison.
     python benchmarks/bench_kmeans.py --json benchmarks/results/kmeans_cpu.json
     python benchmarks/bench_kmeans.py --device cuda --ref-inits 0,0 --json benchmarks/results/kmeans_h100.json
 
+``--scale imagenet1k`` (1,281,167 x 768, K = 1000) / ``--scale cpu200k`` (200,000 x 768, K = 1000): one pseudo-label
+round at scale, no baseline. Synthetic features of that size are generated in place on the device (fp16 by default),
+then one ``semi_supervised_kmeans`` call (balanced, ``balance="reference"``, n_init x max_iter) runs per
+``--distance-precision``; the JSON has its seconds and its peak memory beyond the features (CUDA:
+``torch.cuda.max_memory_allocated()`` minus the features' bytes; CPU: growth of the peak RSS). Runs after the first
+record whether their labels equal the first run's. Other scripts call :func:`time_round`.
+
+    python benchmarks/bench_kmeans.py --device cuda --scale imagenet1k --distance-precision fp32,tf32,bf16 \
+        --json benchmarks/results/kmeans_imagenet1k.json
+
 Works without FAISS (the torch backend is used, ``"backend"`` in the JSON says which ran).
 """
 
@@ -18,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,6 +42,8 @@ from benchmarks.published.kmeans import ReferenceSSKMeans, sqdist  # noqa: E402
 from infosieve_fast.kmeans import faiss_available, semi_supervised_kmeans  # noqa: E402
 
 CASES = {"a": (6000, 768, 200), "b": (127000, 768, 100)}
+SCALES = {"imagenet1k": (1_281_167, 768, 1000), "cpu200k": (200_000, 768, 1000)}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def make_features(n, d, k, device, seed=0, noise=0.03):
@@ -40,6 +53,112 @@ def make_features(n, d, k, device, seed=0, noise=0.03):
     x = torch.nn.functional.normalize(centres[y] + noise * torch.randn(n, d, generator=g), dim=1)
     lab = (y < k // 2) & (torch.rand(n, generator=g) < 0.5)
     return x[~lab].to(device), x[lab].to(device), y[lab].to(device)
+
+
+def scale_features(n, d, k, device, dtype=torch.float16, seed=0, noise=0.03, chunk=65536):
+    """``make_features``' recipe (L2-normalised mixture of ``k`` classes, GCD split) generated in place on ``device``
+    in row chunks and stored in ``dtype``, so that ImageNet-1k size needs little beyond the features themselves."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    centres = torch.nn.functional.normalize(torch.randn(k, d, generator=g, device=device), dim=1)
+    y = torch.randint(0, k, (n,), generator=g, device=device)
+    lab = (y < k // 2) & (torch.rand(n, generator=g, device=device) < 0.5)
+    feats = []
+    for ys in (y[~lab], y[lab]):
+        x = torch.empty(ys.shape[0], d, dtype=dtype, device=device)
+        for s in range(0, ys.shape[0], chunk):
+            yc = ys[s : s + chunk]
+            noisy = centres[yc] + noise * torch.randn(yc.shape[0], d, generator=g, device=device)
+            x[s : s + chunk] = torch.nn.functional.normalize(noisy, dim=1)
+        feats.append(x)
+    return feats[0], feats[1], y[lab]
+
+
+def _proc_status_kib(key):
+    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+def run_round(u, l, t, k, *, n_init=10, max_iter=10, balanced=True, balance="reference", distance_precision="fp32",
+              backend="auto", seed=0):  # fmt: skip
+    """One timed ``semi_supervised_kmeans`` call -> (record, labels). Peak memory beyond the features: on CUDA
+    ``torch.cuda.max_memory_allocated()`` minus the features' bytes; on the CPU (Linux) the growth of the peak RSS
+    over the RSS before the call (the peak is reset first through /proc/self/clear_refs)."""
+    dev = u.device
+    feature_bytes = u.numel() * u.element_size() + l.numel() * l.element_size()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        rss_before = _proc_status_kib("VmRSS")
+    t0 = time.perf_counter()
+    res = semi_supervised_kmeans(u, l, t, k, n_init=n_init, max_iter=max_iter, balanced=balanced, balance=balance,
+                                 distance_precision=distance_precision, backend=backend, seed=seed)  # fmt: skip
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    if dev.type == "cuda":
+        beyond = torch.cuda.max_memory_allocated(dev) - feature_bytes
+        how = "torch.cuda.max_memory_allocated() - feature bytes"
+    else:
+        beyond = (_proc_status_kib("VmHWM") - rss_before) * 1024
+        how = "peak RSS (VmHWM, reset before the call) - RSS before the call"
+    record = {
+        "n_unlabelled": u.shape[0], "n_labelled": l.shape[0], "d": u.shape[1], "k": k,
+        "feature_dtype": str(u.dtype).removeprefix("torch."), "feature_bytes": feature_bytes,
+        "n_init": n_init, "max_iter": max_iter, "balanced": balanced, "balance": balance,
+        "distance_precision": distance_precision, "backend": res.backend, "seconds": seconds,
+        "peak_bytes_beyond_features": beyond, "peak_gib_beyond_features": beyond / 2**30, "memory_measure": how,
+        "inertia": res.inertia, "n_iter": res.n_iter, "searched_rows": res.searched_rows,
+        "rechecked_rows": res.rechecked_rows, "max_cluster_size": int(torch.bincount(res.labels, minlength=k).max()),
+    }  # fmt: skip
+    return record, res.labels
+
+
+def _warm_up(device, **kw):
+    """First CUDA calls (cuBLAS handles, kernel loads) on a small problem with the same settings."""
+    if torch.device(device).type == "cuda":
+        u, l, t = scale_features(4000, 64, 20, device)
+        run_round(u, l, t, 20, n_init=2, max_iter=2, **kw)
+
+
+def time_round(n, d, k, device, *, dtype=torch.float16, n_init=10, max_iter=10, balanced=True, balance="reference",
+               distance_precision="fp32", backend="auto", seed=0) -> dict:  # fmt: skip
+    """Seconds and peak memory of one pseudo-label round on ``n`` x ``d`` synthetic features (``scale_features``,
+    stored in ``dtype`` on ``device``) with ``k`` clusters: a JSON-ready dict (see ``run_round``), plus the device,
+    commit and thread count. E.g. ``time_round(200_000, 768, 1000, "cpu")``."""
+    u, l, t = scale_features(n, d, k, device, dtype, seed=seed)
+    kw = {"balanced": balanced, "balance": balance, "distance_precision": distance_precision, "backend": backend}
+    _warm_up(device, **kw)
+    record, _ = run_round(u, l, t, k, n_init=n_init, max_iter=max_iter, seed=seed, **kw)
+    commit, dirty = git_state()
+    return {"n": n, **record, "device": device_name(torch.device(device)), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty}  # fmt: skip
+
+
+def main_scale(args):
+    """``--scale``: features generated once, one round per ``--distance-precision``; JSON written after each run."""
+    n, d, k = SCALES[args.scale]
+    device = torch.device(args.device)
+    u, l, t = scale_features(n, d, k, device, DTYPES[args.feature_dtype])
+    commit, dirty = git_state()
+    out = {"scale": args.scale, "n": n, "commit": commit, "dirty": dirty, "device": device_name(device),
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "faiss": faiss_available(),
+           "faiss_gpu": faiss_available(gpu=True), "command": " ".join(sys.argv), "runs": []}  # fmt: skip
+    first = None
+    for prec in args.distance_precision.split(","):
+        kw = {"balance": "reference", "distance_precision": prec, "backend": args.backend}
+        _warm_up(device, **kw)
+        record, labels = run_round(u, l, t, k, n_init=args.n_init, max_iter=args.max_iter, **kw)
+        if first is None:
+            first = labels
+        else:
+            record["labels_equal_to_first_run"] = bool(torch.equal(labels, first))
+        out["runs"].append(record)
+        print(json.dumps(record), flush=True)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=2))
+    return out
 
 
 def _sync(device):
@@ -107,7 +226,12 @@ def main(argv=None):
         choices=("gemm", "broadcast"),
         help="the baseline's chunk distance: gemm (faster than published, conservative) or broadcast (as published)",
     )
+    ap.add_argument("--scale", choices=sorted(SCALES), help="one round at this size instead of the cases (see above)")
+    ap.add_argument("--distance-precision", default="fp32", help="--scale: comma-separated, of fp32, tf32, bf16")
+    ap.add_argument("--feature-dtype", default="fp16", choices=sorted(DTYPES), help="--scale: how features are stored")
     args = ap.parse_args(argv)
+    if args.scale:
+        return main_scale(args)
     device = torch.device(args.device)
     cases = args.cases.split(",")
     ref_inits = dict(zip(CASES, [int(x) for x in args.ref_inits.split(",")], strict=False))

@@ -13,10 +13,12 @@
 #      torch.cuda.set_sync_debug_mode("error") (tests/test_engine.py);
 #   3. a 12-epoch demo training run on CUDA;
 #   4. every kernel parity test on CUDA (pytest-xdist from .whl/ when carried);
-#   5. bench_kmeans on the GPU against the published k-means (its broadcast chunk distance) on the GPU.
-# Writes <card>-env.txt, -train.json (+ .log), -resume.txt, -demo.txt, -tests.txt, -kmeans.json (+ .log) and
-# -summary.txt into RESULTS_DIR (default benchmarks/results), <card> being a slug of the GPU's name. Wheels in .whl/ are
-# installed into /tmp/site first (the machine has no package registry).
+#   5. bench_kmeans on the GPU against the published k-means (its broadcast chunk distance) on the GPU;
+#   6. one k-means pseudo-label round at ImageNet-1k size (1.28M x 768 fp16 features, K = 1000, 10 x 10, balanced
+#      reference mode) with fp32, tf32 and bf16 nearest-centre searches: seconds and peak memory beyond the features.
+# Writes <card>-env.txt, -train.json (+ .log), -resume.txt, -demo.txt, -tests.txt, -kmeans.json (+ .log),
+# -kmeans-imagenet1k.json (+ .log) and -summary.txt into RESULTS_DIR (default benchmarks/results), <card> being a slug
+# of the GPU's name. Wheels in .whl/ are installed into /tmp/site first (the machine has no package registry).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 RESULTS=${1:-${RESULTS_DIR:-benchmarks/results}}
@@ -103,6 +105,10 @@ step "kernel parity tests (CUDA)" 100 "$RESULTS/$card-tests.txt" "$PY" -m pytest
 step "bench_kmeans vs published k-means (GPU)" 55 "$RESULTS/$card-kmeans.log" "$PY" benchmarks/bench_kmeans.py \
   --device cuda --cases a,b --ref-inits 1,1 --ref-distance broadcast --modes plain,reference --repeat 1 \
   --json "$RESULTS/$card-kmeans.json"
+
+step "k-means round at ImageNet-1k size (GPU)" 120 "$RESULTS/$card-kmeans-imagenet1k.log" "$PY" \
+  benchmarks/bench_kmeans.py --device cuda --scale imagenet1k --distance-precision fp32,tf32,bf16 \
+  --json "$RESULTS/$card-kmeans-imagenet1k.json"
 
 echo "=== summary ($RESULTS)"
 cat "$summary"

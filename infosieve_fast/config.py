@@ -72,9 +72,15 @@ class KMeansConfig:
     max_iter: int = 10
     tol: float = 1e-4
     balanced: bool = True  # the reference balances per-epoch pseudo-labels unless --unbalanced (Herbarium19)
-    balance: str = "reference"  # "reference": two-phase warm start (REFERENCE §5.2) | "capacity": hard capacity
-    backend: str = "auto"
+    # "reference": the published two phases (REFERENCE §5.2), Phase A with frozen labelled centres (+ capacity passes
+    # when balanced), then Phase B; with balanced: false it is the published --unbalanced run. "capacity": a hard
+    # capacity when balanced; with balanced: false it is GCD's one-phase SS-k-means (REFERENCE §5.1).
+    balance: str = "reference"
+    backend: str = "auto"  # "auto": FAISS only with GPU FAISS and CUDA features, else torch | "torch" | "faiss"
     eval_balanced: bool = True  # the final evaluation's SS-k-means (k_means.py) is balanced unless --unbalanced
+    # nearest-centre GEMM: "fp32" exact (published) | "tf32" / "bf16": faster on GPUs; rows within the GEMM's error
+    # bound of a tie are re-searched exactly, so every nearest centre is fp32's (docs/kmeans.md)
+    distance_precision: str = "fp32"
 
 
 @dataclass
@@ -144,6 +150,7 @@ CHOICES = {
     "optim.name": ("sgd", "adamw"),
     "kmeans.balance": ("reference", "capacity"),
     "kmeans.backend": ("auto", "torch", "faiss"),
+    "kmeans.distance_precision": ("fp32", "tf32", "bf16"),
     "data.source": ("shards", "digits"),
     "data.sampling": ("weighted", "shuffle"),
     "data.cache": ("auto", "gpu", "cpu", "off"),

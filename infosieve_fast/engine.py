@@ -256,7 +256,7 @@ class Trainer:
         result = semi_supervised_kmeans(
             fs.feats[~lab], fs.feats[lab], fs.targets[lab], self.source.n_classes,
             n_init=k.n_init, max_iter=k.max_iter, tol=k.tol, balanced=balanced, balance=k.balance,
-            seed=seed, backend=k.backend,
+            seed=seed, backend=k.backend, distance_precision=k.distance_precision,
         )  # fmt: skip
         labels = result.labels.to(self.device)
         mine = torch.empty_like(fs.targets)
@@ -430,24 +430,25 @@ def write_unreadable(run_dir: Path, trainer: Trainer) -> None:
     ckpt.write_json(run_dir / "unreadable.json", {"count": len(entries), "samples": entries})
 
 
-def evaluate_run(run_dir: str | Path) -> dict[str, float]:
-    """Recompute All/Old/New from a run folder's checkpoint (`infosieve eval --run RUN_DIR`)."""
+def trainer_from_run(run_dir: str | Path) -> Trainer:
+    """A trainer holding a run folder's last checkpoint (its config and weights), for commands that read a run."""
     from .config import from_dict
 
     state = ckpt.load_checkpoint(run_dir)
     trainer = Trainer(from_dict(state["config"]))
     trainer.model.load_state_dict(state["model"])
-    return trainer.evaluate()
+    return trainer
+
+
+def evaluate_run(run_dir: str | Path) -> dict[str, float]:
+    """Recompute All/Old/New from a run folder's checkpoint (`infosieve eval --run RUN_DIR`)."""
+    return trainer_from_run(run_dir).evaluate()
 
 
 def code_tree(run_dir: str | Path, max_depth: int = 8) -> dict:
     """The implicit category tree of a run's checkpoint: codes of the train samples (test view), cut by the mask."""
-    from .config import from_dict
-
-    state = ckpt.load_checkpoint(run_dir)
-    cfg = from_dict(state["config"])
-    trainer = Trainer(cfg)
-    trainer.model.load_state_dict(state["model"])
+    trainer = trainer_from_run(run_dir)
+    cfg = trainer.cfg
 
     def codes(x: Tensor) -> Tensor:
         head = trainer.model(x).head

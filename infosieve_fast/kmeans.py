@@ -13,10 +13,12 @@ One entry point, :func:`semi_supervised_kmeans`. Semantics follow GCD's ``fit_mi
   iterations and restarts is returned (reference semantics), its labels and the centres updated from them.
 * Stop when ``(Σ_k ||Δc_k||)² < tol`` or after ``max_iter`` iterations.
 
-Backends: ``torch`` (chunked GEMM distances with fp32 or fp64 accumulation, ``index_add_`` on the CPU and a one-hot
-GEMM on CUDA for deterministic centre sums) and ``faiss`` (flat L2 index for the nearest-centre searches, GPU index if
-the FAISS build has one and the data are on CUDA). No Python loop over points or clusters: the only Python loops are
-over restarts, iterations, k-means++ seeds and capacity rounds.
+Backends: ``torch`` (chunked GEMM nearest-centre search, exact in fp32 by default or low precision with an exact
+recheck of the rows near a tie; ``index_add_`` on the CPU and sorted segment sums on CUDA for deterministic centre
+sums) and ``faiss`` (flat L2 index for the searches, a GPU index when the FAISS build has GPUs and the data are on
+CUDA; the distance to the chosen centre is then recomputed in the compute dtype, as after a low-precision search).
+Half-precision features stay half precision: every pass converts one row chunk at a time. No Python loop over points
+or clusters: the only Python loops are over restarts, iterations, k-means++ seeds, capacity rounds and row chunks.
 
 Under ``torch.distributed`` every rank passes its own shard (labelled and unlabelled) and gets the exact global
 clustering: per-cluster sums and counts are all-reduced, k-means++ samples over the global distribution, and the
@@ -26,6 +28,8 @@ balancing steps rank points globally. Labels returned are those of the rank's ow
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +41,9 @@ __all__ = ["KMeansResult", "semi_supervised_kmeans", "faiss_available"]
 
 _BALANCE_MODES = ("capacity", "reference")
 _BACKENDS = ("auto", "torch", "faiss")
+_PRECISIONS = ("fp32", "tf32", "bf16")
 _CAPACITY_MATRIX_MAX = 2**27  # keep the [N, K] distance matrix for capacity rounds up to this many entries
+_KPP_ARRAY_BYTES = 2**27  # k-means++ batches restarts so that each [N, restarts] fp64 work array stays below this
 
 
 @dataclass
@@ -49,6 +55,9 @@ class KMeansResult:
     inertia: sum of squared distances of the kept iteration (global over ranks), computed with the pre-update centres.
     n_iter: iterations run in the kept restart (both phases for ``balance="reference"``).
     history: inertia per iteration of the kept restart.
+    searched_rows / rechecked_rows (``distance_precision`` other than fp32; all searches of the call, all ranks): rows
+    searched with the low-precision GEMM, and those of them searched again exactly because their best and second-best
+    centres were closer than the GEMM's error bound.
     """
 
     labels: torch.Tensor
@@ -58,109 +67,200 @@ class KMeansResult:
     history: list[float] = field(default_factory=list)
     backend: str = "torch"
     best_init: int = 0
+    searched_rows: int = 0
+    rechecked_rows: int = 0
 
 
-def faiss_available() -> bool:
+def faiss_available(gpu: bool = False) -> bool:
+    """Whether ``faiss`` imports (and, with ``gpu=True``, whether it was built with GPU support and sees a GPU)."""
     try:
-        import faiss  # noqa: F401
+        import faiss
     except ImportError:
         return False
-    return True
+    return not gpu or (hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0)
 
 
-# ----------------------------------------------------------------------------------------------------------- distances
+def _pick_backend(backend: str, cuda: bool, distance_precision: str) -> str:
+    """``"auto"``: FAISS only where it is faster than the torch GEMMs, i.e. a GPU FAISS with the data on CUDA (and the
+    exact fp32 search, the only one FAISS does); torch otherwise (on the CPU torch measured about 2x faster)."""
+    if backend != "auto":
+        return backend
+    return "faiss" if cuda and distance_precision == "fp32" and faiss_available(gpu=True) else "torch"
+
+
+# ------------------------------------------------------------------------------------------------------------ chunks
+def _chunks(x: torch.Tensor, rows: int, dtype: torch.dtype, index: torch.Tensor | None = None):
+    """Yield ``(start, end, block)``: ``x[start:end]`` (or ``x[index[start:end]]``) converted to ``dtype``, so that a
+    half-precision matrix is only ever upcast one block of rows at a time."""
+    n = x.shape[0] if index is None else index.shape[0]
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        yield s, e, (x[s:e] if index is None else x[index[s:e]]).to(dtype)
+
+
+def _sq_norms(x: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(x.shape[0], dtype=dtype, device=x.device)
+    for s, e, xc in _chunks(x, rows, dtype):
+        out[s:e] = (xc * xc).sum(1)
+    return out
+
+
+@contextmanager
+def _cuda_matmul_precision(precision: str) -> Iterator[None]:
+    """Set CUDA fp32 matmuls to ``"ieee"`` or ``"tf32"`` for the block, then restore the caller's setting."""
+    m = torch.backends.cuda.matmul
+    old = m.fp32_precision
+    m.fp32_precision = precision
+    try:
+        yield
+    finally:
+        m.fp32_precision = old
+
+
+# ------------------------------------------------------------------------------------------- low-precision distances
+_U_IN = {"tf32": 2.0**-10, "bf16": 2.0**-8}  # relative input rounding: TF32 may truncate (2^-10), bf16 rounds (2^-8)
+_U_ACC = 2.0**-23  # per-addition error of fp32 accumulation: twice fp32's unit roundoff, covering truncating adders
+
+
+def _recheck_threshold(precision: str, d: int, bf16_out: bool, x_norm: torch.Tensor, c_max: torch.Tensor):
+    """Rows whose low-precision gap (second-best minus best of ``c2 - 2 x·c``) is at most this are re-searched exactly.
+
+    Error model (Higham, Accuracy and Stability of Numerical Algorithms, §3.1): the inputs are rounded with relative
+    error ``u_in``; products are exact in fp32 (11 x 11 or 8 x 8 significand bits); sums of the ``d`` products, in any
+    order, err by at most ``γ = d·u_acc / (1 - d·u_acc)`` times ``Σ|x_i c_i|``; a bf16 result is rounded once more
+    (``u_out = 2^-8``). With ``Σ|x_i c_i| <= ||x|| ||c||`` (Cauchy-Schwarz):
+        |Ĝ - x·c| <= e_low ||x|| ||c||,  e_low = (1 + u_in)² (1 + γ) (1 + u_out) - 1,
+    and the exact fp32 path's own product errs by at most ``γ ||x|| ||c||``. Both sides then round ``c2 - 2G`` once
+    (<= 2^-24 (||c||² + 2|G|) each; ``c2`` is the same fp32 vector on both sides), and flushed subnormal products
+    add at most ``d·2^-126`` per product sum. So each candidate value differs from the fp32 path's by at most
+        E = 2 (e_low + γ) ||x|| c_max + 2^-23 (c_max² + 2 (1 + e_low) ||x|| c_max) + 4 d 2^-126,
+    with ``c_max`` the largest centre norm. If ``second - best > 2E``, the low-precision argmin is strictly below every
+    other centre in the fp32 path too, i.e. it is the fp32 argmin. The factor 1.01 covers the fp32 rounding of the
+    norms, of this bound and of the gap (all below 1e-4 relative).
+    """
+    gamma = d * _U_ACC / (1 - d * _U_ACC)
+    e_low = (1 + _U_IN[precision]) ** 2 * (1 + gamma) * (1 + (2.0**-8 if bf16_out else 0.0)) - 1
+    xn_cn = x_norm * c_max
+    err = 2 * (e_low + gamma) * xn_cn + 2.0**-23 * (c_max * c_max + 2 * (1 + e_low) * xn_cn) + 4 * d * 2.0**-126
+    return 2 * 1.01 * err
+
+
+# ----------------------------------------------------------------------------------------------------------- searches
+def _direct_sqdist(xc: torch.Tensor, C: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """||x - C[idx]||² per row, in the compute dtype (the distance to a centre found by an inexact search)."""
+    return (xc - C[idx]).pow_(2).sum(1)
+
+
 class _TorchOps:
-    """Nearest-centre search with chunked GEMMs: ||x||² - 2 x·c + ||c||², accumulated in the compute dtype."""
+    """Nearest-centre search with chunked GEMMs ``||x||² - 2 x·c + ||c||²``.
+
+    ``precision="fp32"``: one exact GEMM in the compute dtype (the published behaviour); the distances are the GEMM's.
+    ``"tf32"`` / ``"bf16"``: the GEMM runs in that precision, the two nearest candidates are kept, and every row whose
+    gap is within the GEMM's error bound (:func:`_recheck_threshold`) is searched again exactly, so the argmin equals
+    the fp32 GEMM's; the distance to the chosen centre is then recomputed directly in the compute dtype.
+    """
 
     name = "torch"
 
-    def __init__(self, chunk_rows: int):
+    def __init__(self, chunk_rows: int, precision: str = "fp32"):
         self.chunk_rows = chunk_rows
+        self.precision = precision
+        self.searched = 0
+        self.rechecked = 0
 
     def nearest(self, x, x2, C, rows=None, allowed=None):
-        """(min squared distance, argmin) of ``x[rows]`` over the centres ``C[allowed]`` (indices into all of C)."""
+        """(squared distance, index) of the nearest centre of ``C[allowed]`` (indices into all of C) for each row of
+        ``x[rows]`` (all rows if None); ``x2``: the squared norms of all rows of ``x``."""
         n = x.shape[0] if rows is None else rows.shape[0]
+        d_out = torch.empty(n, dtype=C.dtype, device=C.device)
+        i_out = torch.empty(n, dtype=torch.long, device=C.device)
+        prep = self._prepare(C, allowed)
+        for s, e, xc in _chunks(x, self.chunk_rows, C.dtype, rows):
+            d_out[s:e], i_out[s:e] = self._search(xc, x2[s:e] if rows is None else x2[rows[s:e]], C, prep)
+        return d_out, i_out
+
+    def _prepare(self, C, allowed):
         c2 = (C * C).sum(1)
         if allowed is not None:
             c2 = c2.masked_fill(~allowed, float("inf"))
-        d_out = torch.empty(n, dtype=C.dtype, device=C.device)
-        i_out = torch.empty(n, dtype=torch.long, device=C.device)
-        Ct = C.t()
-        for s in range(0, n, self.chunk_rows):
-            e = min(s + self.chunk_rows, n)
-            if rows is None:
-                xc, x2c = x[s:e], x2[s:e]
-            else:
-                r = rows[s:e]
-                xc, x2c = x[r], x2[r]
-            d = torch.addmm(c2, xc, Ct, beta=1, alpha=-2)
-            dmin, imin = d.min(1)
-            d_out[s:e] = (dmin + x2c).clamp_min_(0)
-            i_out[s:e] = imin
-        return d_out, i_out
+        if self.precision == "fp32" or C.shape[0] < 2:
+            return c2, None
+        c_norm = C.norm(dim=1)
+        c_max = (c_norm if allowed is None else c_norm.masked_fill(~allowed, 0)).max()
+        c_low = C.t() if self.precision == "tf32" else C.to(torch.bfloat16).t()
+        return c2, (c_low, c_max)
+
+    def _search(self, xc, x2c, C, prep):
+        c2, low = prep
+        if low is None:
+            dmin, idx = torch.addmm(c2, xc, C.t(), beta=1, alpha=-2).min(1)
+            return (dmin + x2c).clamp_min_(0), idx
+        c_low, c_max = low
+        if self.precision == "tf32":
+            with _cuda_matmul_precision("tf32"):  # on the CPU this is an fp32 GEMM, inside the same bound
+                g = xc @ c_low
+        elif xc.is_cuda:
+            g = torch.mm(xc.to(torch.bfloat16), c_low, out_dtype=torch.float32)
+        else:
+            g = xc.to(torch.bfloat16) @ c_low  # bf16 result on the CPU: its rounding is part of the bound
+        top_v, top_i = torch.add(c2, g, alpha=-2).topk(2, dim=1, largest=False)
+        thr = _recheck_threshold(self.precision, xc.shape[1], g.dtype == torch.bfloat16, x2c.sqrt(), c_max)
+        redo = torch.nonzero(top_v[:, 1] - top_v[:, 0] <= thr).squeeze(1)
+        idx = top_i[:, 0]
+        self.searched += xc.shape[0]
+        self.rechecked += redo.numel()
+        if redo.numel():
+            idx[redo] = torch.addmm(c2, xc[redo], C.t(), beta=1, alpha=-2).min(1).indices
+        return _direct_sqdist(xc, C, idx), idx
 
     def distances(self, x, x2, C):
-        """Full [N, K] squared distances (chunked GEMM)."""
+        """Full [N, K] squared distances (chunked exact GEMM)."""
         c2 = (C * C).sum(1)
         out = torch.empty(x.shape[0], C.shape[0], dtype=C.dtype, device=C.device)
-        for s in range(0, x.shape[0], self.chunk_rows):
-            e = min(s + self.chunk_rows, x.shape[0])
-            out[s:e] = torch.addmm(c2, x[s:e], C.t(), beta=1, alpha=-2).add_(x2[s:e, None]).clamp_min_(0)
+        for s, e, xc in _chunks(x, self.chunk_rows, C.dtype):
+            out[s:e] = torch.addmm(c2, xc, C.t(), beta=1, alpha=-2).add_(x2[s:e, None]).clamp_min_(0)
         return out
 
 
 class _FaissOps(_TorchOps):
-    """Nearest-centre search with a FAISS flat L2 index (GPU index when available and the data are on CUDA).
-
-    FAISS computes in fp32; the returned distance is recomputed exactly in the compute dtype for the chosen centre so
-    that inertia is comparable across backends.
-    """
+    """Nearest-centre search with a FAISS flat L2 index (fp32; a GPU index when FAISS has GPUs and the data are on
+    CUDA), one row chunk of queries at a time; the distance to the chosen centre is recomputed in the compute dtype so
+    that inertia is comparable across backends."""
 
     name = "faiss"
 
-    def __init__(self, chunk_rows: int, x: torch.Tensor):
+    def __init__(self, chunk_rows: int, cuda: bool):
         super().__init__(chunk_rows)
         import faiss
 
         self.faiss = faiss
-        self.gpu = x.is_cuda and hasattr(faiss, "StandardGpuResources")
+        self.gpu = cuda and faiss_available(gpu=True)
         if self.gpu:
             import faiss.contrib.torch_utils  # noqa: F401  (lets FAISS take torch CUDA tensors)
 
             self.res = faiss.StandardGpuResources()
-            self.xq = x.float().contiguous()
-        else:
-            self.xq = np.ascontiguousarray(x.detach().float().cpu().numpy())
 
-    def nearest(self, x, x2, C, rows=None, allowed=None):
-        faiss = self.faiss
-        ids = None
-        Cs = C
-        if allowed is not None:
-            ids = torch.nonzero(allowed).squeeze(1)
-            Cs = C[ids]
-        d = C.shape[1]
+    def _prepare(self, C, allowed):
+        ids = None if allowed is None else torch.nonzero(allowed).squeeze(1)
+        Cs = (C if ids is None else C[ids]).float().contiguous()
         if self.gpu:
-            index = faiss.GpuIndexFlatL2(self.res, d)
-            index.add(Cs.float().contiguous())
-            q = self.xq if rows is None else self.xq[rows]
-            _, idx = index.search(q, 1)
-            idx = idx[:, 0].to(C.device).long()
+            index = self.faiss.GpuIndexFlatL2(self.res, C.shape[1])
+            index.add(Cs)
         else:
-            index = faiss.IndexFlatL2(d)
-            index.add(np.ascontiguousarray(Cs.detach().float().cpu().numpy()))
-            q = self.xq if rows is None else self.xq[rows.cpu().numpy()]
-            _, idx = index.search(q, 1)
-            idx = torch.from_numpy(idx[:, 0]).to(C.device).long()
+            index = self.faiss.IndexFlatL2(C.shape[1])
+            index.add(Cs.cpu().numpy())
+        return index, ids
+
+    def _search(self, xc, x2c, C, prep):
+        index, ids = prep
+        q = xc.float().contiguous()
+        if self.gpu:
+            idx = index.search(q, 1)[1][:, 0].to(xc.device).long()
+        else:
+            idx = torch.from_numpy(index.search(q.cpu().numpy(), 1)[1][:, 0]).to(xc.device).long()
         if ids is not None:
             idx = ids[idx]
-        n = idx.shape[0]
-        dist = torch.empty(n, dtype=C.dtype, device=C.device)
-        for s in range(0, n, self.chunk_rows):
-            e = min(s + self.chunk_rows, n)
-            r = slice(s, e) if rows is None else rows[s:e]
-            dist[s:e] = (x[r] - C[idx[s:e]]).pow_(2).sum(1)
-        return dist, idx
+        return _direct_sqdist(xc, C, idx), idx
 
 
 # -------------------------------------------------------------------------------------------------------- validation
@@ -172,37 +272,39 @@ def _as_tensor(a, name: str) -> torch.Tensor:
     raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
 
 
-def _check_features(x: torch.Tensor, name: str, d: int | None) -> None:
+def _check_features(x: torch.Tensor, name: str, d: int | None, chunk_size: int | None) -> None:
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [N, D], got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
     if d is not None and x.shape[1] != d:
         raise ValueError(f"{name} has {x.shape[1]} features per row but u_feats has {d}")
-    bad = x.numel() > 0 and not bool(torch.isfinite(x).all())
-    if all_reduce_any(bad, x.device):
+    finite = torch.ones((), dtype=torch.bool, device=x.device)
+    for _, _, xc in _chunks(x, _chunk_rows(chunk_size, 1, x.shape[1], x.is_cuda), x.dtype):
+        finite &= torch.isfinite(xc).all()
+    if all_reduce_any(not bool(finite), x.device):
         raise ValueError(f"{name} contains NaN or inf values (on some rank); clean or drop those rows first")
 
 
-def _chunk_rows(chunk_size: int | None, k: int, cuda: bool) -> int:
+def _chunk_rows(chunk_size: int | None, k: int, d: int, cuda: bool) -> int:
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         return int(chunk_size)
-    budget = 2**26 if cuda else 2**23  # elements of the [rows, K] distance block
-    return max(256, budget // max(k, 1))
+    budget = 2**26 if cuda else 2**23  # elements of a [rows, K] distance block and of a [rows, D] feature block
+    return max(256, budget // max(k, d, 1))
 
 
 # ------------------------------------------------------------------------------------------------------ shared state
 @dataclass
 class _Problem:
-    u: torch.Tensor  # [Nu, D] compute dtype
-    x2: torch.Tensor  # [Nu]
+    u: torch.Tensor  # [Nu, D] as given (possibly half precision; converted per chunk)
+    x2: torch.Tensor  # [Nu] squared norms, compute dtype
     l: torch.Tensor  # [Nl, D]
     lab_l: torch.Tensor  # [Nl] internal cluster ids (0..nL-1)
     K: int
     nL: int
-    l_sums: torch.Tensor  # [K, D] global sums of labelled points per cluster
+    l_sums: torch.Tensor  # [K, D] global sums of labelled points per cluster, compute dtype
     l_cnt: torch.Tensor  # [K] global counts of labelled points per cluster (long)
     n_u_global: int
     ops: _TorchOps
@@ -217,6 +319,11 @@ class _Problem:
     def device(self):
         return self.u.device
 
+    @property
+    def dtype(self):
+        """The compute dtype (fp32, or fp64 for fp64 inputs)."""
+        return self.l_sums.dtype
+
 
 def _labelled_inertia(p: _Problem, C: torch.Tensor) -> torch.Tensor:
     """Σ ||l - C[lab]||² from per-cluster statistics, O(K·D): Σ||l||² - 2 Σ_k C_k·S_k + Σ_k n_k ||C_k||² (fp64)."""
@@ -224,21 +331,29 @@ def _labelled_inertia(p: _Problem, C: torch.Tensor) -> torch.Tensor:
     return p.l_sq - 2 * (C64 * p.l_sums64).sum() + (p.l_cnt.to(torch.float64) * (C64 * C64).sum(1)).sum()
 
 
-def _cluster_sums(x: torch.Tensor, lab: torch.Tensor, K: int, chunk: int, onehot: bool | None = None) -> torch.Tensor:
-    """Per-cluster sums of the rows of ``x`` (deterministic on CUDA: one-hot GEMM instead of atomics)."""
-    out = torch.zeros(K, x.shape[1], dtype=x.dtype, device=x.device)
-    if not (x.is_cuda if onehot is None else onehot):
-        return out.index_add_(0, lab, x)
-    for s in range(0, x.shape[0], chunk):
-        e = min(s + chunk, x.shape[0])
-        oh = torch.zeros(e - s, K, dtype=x.dtype, device=x.device)
-        oh.scatter_(1, lab[s:e, None], 1.0)
-        out.addmm_(oh.t(), x[s:e])
+def _cluster_sums(
+    x: torch.Tensor, lab: torch.Tensor, K: int, chunk: int, dtype: torch.dtype, segments: bool | None = None
+) -> torch.Tensor:
+    """Per-cluster sums of the rows of ``x`` in ``dtype``, deterministic: ``index_add_`` on the CPU; on CUDA
+    (``segments`` None) the rows are sorted by cluster and summed as contiguous segments (no atomics, and O(N·D)
+    instead of the O(N·K·D) of a one-hot GEMM)."""
+    out = torch.zeros(K, x.shape[1], dtype=dtype, device=x.device)
+    if not (x.is_cuda if segments is None else segments):
+        for s, e, xc in _chunks(x, chunk, dtype):
+            out.index_add_(0, lab[s:e], xc)
+        return out
+    order = torch.argsort(lab, stable=True)
+    cnt = torch.bincount(lab, minlength=K)
+    ends = torch.cumsum(cnt, 0)  # cluster k holds the sorted rows [ends[k] - cnt[k], ends[k])
+    starts = ends - cnt
+    for s, e, xc in _chunks(x, chunk, dtype, order):
+        lengths = (ends.clamp(max=e) - starts.clamp(min=s)).clamp_min_(0)  # each cluster's rows in this chunk
+        out += torch.segment_reduce(xc, "sum", lengths=lengths, axis=0, unsafe=True)
     return out
 
 
 def _update_centers(p: _Problem, C: torch.Tensor, u_lab: torch.Tensor, frozen: torch.Tensor | None) -> torch.Tensor:
-    sums = all_reduce_sum(_cluster_sums(p.u, u_lab, p.K, p.chunk))
+    sums = all_reduce_sum(_cluster_sums(p.u, u_lab, p.K, p.chunk, p.dtype))
     cnt = all_reduce_sum(torch.bincount(u_lab, minlength=p.K))
     sums += p.l_sums
     cnt = cnt + p.l_cnt
@@ -277,8 +392,9 @@ def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude
     u, x2, K, nL = p.u, p.x2, p.K, p.nL
     dev, world, n = p.device, get_world_size(), p.u.shape[0]
     R = uniforms.shape[0]
-    C = torch.empty(R, K, u.shape[1], dtype=u.dtype, device=dev)
+    C = torch.empty(R, K, u.shape[1], dtype=p.dtype, device=dev)
     C[:, :nL] = means
+    ux = torch.empty(n, R, dtype=p.dtype, device=dev)  # u·c of the newest seeds, filled one row chunk at a time
     if nL:
         d2 = p.ops.nearest(u, x2, means)[0].to(torch.float64)[:, None].repeat(1, R)  # [N, R]
     else:
@@ -298,7 +414,7 @@ def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude
         if world == 1:
             cum = torch.cumsum(w / tot, 0).t().contiguous()  # [R, N]
             ind = torch.searchsorted(cum, r[:, None]).clamp_(max=n - 1)[:, 0]
-            c = u[ind]  # [R, D]
+            c = u[ind].to(p.dtype)  # [R, D]
         else:
             rank_w, rank = all_gather_cat(w.sum(0)[None])  # [world, R]; offset == rank
             before = rank_w[:rank].sum(0) / tot
@@ -306,15 +422,17 @@ def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude
             owner = torch.searchsorted(hi, r[:, None])[:, 0]
             last = torch.where(rank_w > 0, torch.arange(world, device=dev)[:, None], 0).max(0).values
             owner = torch.minimum(owner, last)
-            c = torch.zeros(R, u.shape[1], dtype=u.dtype, device=dev)
+            c = torch.zeros(R, u.shape[1], dtype=p.dtype, device=dev)
             mine = owner == rank
             if n and bool(mine.any()):
                 cum = (torch.cumsum(w / tot, 0) + before).t().contiguous()
                 ind = torch.searchsorted(cum, r[:, None]).clamp_(max=n - 1)[:, 0]
-                c[mine] = u[ind[mine]]
+                c[mine] = u[ind[mine]].to(p.dtype)
             c = all_reduce_sum(c)
         C[:, nL + j] = c
-        dn = (x2[:, None] - 2 * (u @ c.t()) + (c * c).sum(1)[None]).clamp_min_(0).to(torch.float64)  # [N, R]
+        for s, e, xc in _chunks(u, p.chunk, p.dtype):
+            torch.mm(xc, c.t(), out=ux[s:e])
+        dn = (x2[:, None] - 2 * ux + (c * c).sum(1)[None]).clamp_min_(0).to(torch.float64)  # [N, R]
         d2 = dn if (nL == 0 and j == 0) else torch.minimum(d2, dn)
         if avail is not None:
             masked = dn.masked_fill(~avail, float("inf"))
@@ -340,7 +458,7 @@ def _assign_capacity(p: _Problem, C: torch.Tensor, cap: torch.Tensor):
     K, dev = p.K, p.device
     n = p.u.shape[0]
     lab = torch.empty(n, dtype=torch.long, device=dev)
-    dist = torch.empty(n, dtype=p.u.dtype, device=dev)
+    dist = torch.empty(n, dtype=p.dtype, device=dev)
     rem = cap.clone()
     pend = torch.arange(n, device=dev)
     full_d = p.ops.distances(p.u, p.x2, C) if n * K <= _CAPACITY_MATRIX_MAX else None
@@ -422,6 +540,7 @@ class _Run:
 
 
 # ------------------------------------------------------------------------------------------------------- entry point
+@_cuda_matmul_precision("ieee")  # "fp32" means fp32 even where the caller allowed TF32 globally
 def semi_supervised_kmeans(
     u_feats,
     l_feats,
@@ -438,35 +557,45 @@ def semi_supervised_kmeans(
     seed: int = 0,
     backend: str = "auto",
     chunk_size: int | None = None,
+    distance_precision: str = "fp32",
 ) -> KMeansResult:
     """Semi-supervised k-means of unlabelled ``u_feats`` [Nu, D] with labelled ``l_feats`` [Nl, D] / ``l_targets``.
 
     Features: torch tensors or numpy arrays, any float dtype, CPU or CUDA (computation in fp32, or fp64 for fp64
-    inputs). ``l_targets``: integer-valued, in ``0..n_clusters-1``; labelled class ``c`` is cluster ``c`` and keeps its
-    points. The clusters without labelled points are seeded by k-means++ in increasing id order. ``l_feats`` may have
-    zero rows (plain k-means++ / Lloyd).
+    inputs; fp16/bf16 features are converted one row chunk at a time, never as a whole, and give exactly the result of
+    their fp32 upcast). ``l_targets``: integer-valued, in ``0..n_clusters-1``; labelled class ``c`` is cluster ``c``
+    and keeps its points. The clusters without labelled points are seeded by k-means++ in increasing id order.
+    ``l_feats`` may have zero rows (plain k-means++ / Lloyd).
 
-    ``balanced=False``: GCD's SS-k-means (REFERENCE.md §5.1). ``balanced=True`` with capacity ``cluster_size`` (default
-    ``ceil(N / K)``, N = all points over all ranks):
+    ``balance="capacity"`` (default) with ``balanced=False``: GCD's one-phase SS-k-means (REFERENCE.md §5.1).
+    ``balance="reference"``: InfoSieve's two phases (§5.2): Phase A with frozen labelled centres, then Phase B of
+    plain iterations from Phase A's state; best inertia over both phases (strict ``<``). With ``balanced=False``
+    Phase A has no capacity (the published code with ``cluster_size=None``, Herbarium19's ``--unbalanced``).
 
-    * ``balance="capacity"`` (default): every assignment step is capacity-constrained, so the returned labels never
-      put more than ``cluster_size`` points in a cluster (a cluster whose labelled points alone exceed it gets no
-      unlabelled point).
-    * ``balance="reference"``: InfoSieve's two phases (§5.2): Phase A with frozen labelled centres and the reference's
-      balancing passes, then Phase B of plain iterations; best inertia over both phases (in practice Phase B wins, so
-      the labels are not balanced — a balanced warm start). k-means++ excludes the ``cluster_size`` points nearest each
-      new seed (the intended behaviour of the reference's buggy row deletion).
+    ``balanced=True`` with capacity ``cluster_size`` (default ``ceil(N / K)``, N = all points over all ranks):
+
+    * ``balance="capacity"``: every assignment step is capacity-constrained, so the returned labels never put more
+      than ``cluster_size`` points in a cluster (a cluster whose labelled points alone exceed it gets no unlabelled
+      point).
+    * ``balance="reference"``: Phase A runs the reference's balancing passes (``it`` passes at iteration ``it``); in
+      practice Phase B wins, so the labels are not balanced — a balanced warm start. k-means++ excludes the
+      ``cluster_size`` points nearest each new seed (the intended behaviour of the reference's buggy row deletion).
 
     ``freeze_labelled_centers``: labelled clusters keep their class mean as centre (all iterations / phases).
-    ``backend``: ``"torch"``, ``"faiss"`` or ``"auto"`` (= torch: on this project's CPUs the chunked GEMM is about 2x
-    faster than FAISS's flat index, and FAISS's own OpenMP runtime slowed later torch work in the same process).
-    ``chunk_size``: rows per distance block (default: about 8M (CPU) / 64M (CUDA) distance entries per block).
+    ``backend``: ``"torch"``, ``"faiss"`` or ``"auto"``: FAISS when it has GPU support (``faiss.get_num_gpus() > 0``),
+    the features are on CUDA and ``distance_precision="fp32"``; torch otherwise (on this project's CPUs the chunked
+    GEMM is about 2x faster than FAISS's flat index, and FAISS's OpenMP runtime slowed later torch work).
+    ``chunk_size``: rows per block (default: about 8M (CPU) / 64M (CUDA) entries per [rows, max(K, D)] block).
+    ``distance_precision`` (torch backend, fp32/fp16/bf16 features): ``"fp32"`` (default) exact nearest-centre
+    searches, the published behaviour; ``"tf32"`` / ``"bf16"`` run the search GEMM in that precision and re-search
+    exactly every row whose two nearest centres are within the GEMM's rigorous error bound, so the labels are those of
+    ``"fp32"``; ``KMeansResult.searched_rows`` / ``rechecked_rows`` count them.
     """
     u = _as_tensor(u_feats, "u_feats")
-    _check_features(u, "u_feats", None)
+    _check_features(u, "u_feats", None, chunk_size)
     dev, D = u.device, u.shape[1]
     l = _as_tensor(l_feats, "l_feats") if l_feats is not None else u.new_zeros((0, D))
-    _check_features(l, "l_feats", D)
+    _check_features(l, "l_feats", D, chunk_size)
     t = _as_tensor(l_targets, "l_targets") if l_targets is not None else torch.zeros(0, dtype=torch.long)
     if l.device != dev:
         raise ValueError(f"l_feats is on {l.device} but u_feats is on {dev}; put both on the same device")
@@ -479,6 +608,19 @@ def semi_supervised_kmeans(
         raise ValueError(f"balance must be one of {_BALANCE_MODES}, got {balance!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if distance_precision not in _PRECISIONS:
+        raise ValueError(f"distance_precision must be one of {_PRECISIONS}, got {distance_precision!r}")
+    cdtype = torch.float64 if (u.dtype == torch.float64 or l.dtype == torch.float64) else torch.float32
+    if distance_precision != "fp32" and cdtype == torch.float64:
+        raise ValueError(
+            f"distance_precision={distance_precision!r} needs fp32, fp16 or bf16 features; float64 features are "
+            "clustered exactly in float64: use distance_precision='fp32'"
+        )
+    backend = _pick_backend(backend, u.is_cuda, distance_precision)
+    if backend == "faiss" and distance_precision != "fp32":
+        raise ValueError(
+            f"backend='faiss' searches in fp32 only; use backend='torch' for distance_precision={distance_precision!r}"
+        )
     t = t.reshape(-1)
     if t.shape[0] != l.shape[0]:
         raise ValueError(f"l_targets has {t.shape[0]} entries but l_feats has {l.shape[0]} rows")
@@ -503,29 +645,6 @@ def semi_supervised_kmeans(
     if K - nL > n_u:
         raise ValueError(f"{K - nL} clusters need seeds but there are only {n_u} unlabelled points")
 
-    cdtype = torch.float64 if (u.dtype == torch.float64 or l.dtype == torch.float64) else torch.float32
-    u = u.to(cdtype).contiguous()
-    l = l.to(cdtype).contiguous()
-    lab_l = torch.searchsorted(cls, t)  # internal ids: labelled classes first, in sorted order (as the reference)
-    free_ids = torch.nonzero(present == 0).squeeze(1)
-    slot = torch.cat([cls, free_ids])  # internal id -> returned cluster id
-
-    l_sums = all_reduce_sum(_cluster_sums(l, lab_l, K, _chunk_rows(chunk_size, K, u.is_cuda)))
-    l_cnt = all_reduce_sum(torch.bincount(lab_l, minlength=K))
-    means = l_sums[:nL] / l_cnt[:nL, None].to(cdtype)
-
-    if backend == "auto":
-        backend = "torch"  # measured faster than FAISS on the CPU too; see docs/kmeans.md
-    chunk = _chunk_rows(chunk_size, K, u.is_cuda)
-    if backend == "faiss":
-        if not faiss_available():
-            raise ImportError("backend='faiss' needs the faiss package (pip install faiss-cpu); or use backend='torch'")
-        ops: _TorchOps = _FaissOps(chunk, u)
-    else:
-        ops = _TorchOps(chunk)
-    l_sq = all_reduce_sum(l.to(torch.float64).pow(2).sum().reshape(1))[0]
-    p = _Problem(u, (u * u).sum(1), l, lab_l, K, nL, l_sums, l_cnt, n_u, ops, chunk, l_sq)
-
     cs = None
     if balanced:
         cs = int(cluster_size) if cluster_size is not None else math.ceil((n_u + n_l) / K)
@@ -534,6 +653,23 @@ def semi_supervised_kmeans(
     elif cluster_size is not None:
         raise ValueError("cluster_size is only used with balanced=True")
 
+    if backend == "faiss" and not faiss_available():
+        raise ImportError("backend='faiss' needs the faiss package (pip install faiss-cpu); or use backend='torch'")
+    chunk = _chunk_rows(chunk_size, K, D, u.is_cuda)
+    lab_l = torch.searchsorted(cls, t)  # internal ids: labelled classes first, in sorted order (as the reference)
+    free_ids = torch.nonzero(present == 0).squeeze(1)
+    slot = torch.cat([cls, free_ids])  # internal id -> returned cluster id
+
+    l_sums = all_reduce_sum(_cluster_sums(l, lab_l, K, chunk, cdtype))
+    l_cnt = all_reduce_sum(torch.bincount(lab_l, minlength=K))
+    means = l_sums[:nL] / l_cnt[:nL, None].to(cdtype)
+    ops = _FaissOps(chunk, u.is_cuda) if backend == "faiss" else _TorchOps(chunk, distance_precision)
+    l_sq = torch.zeros((), dtype=torch.float64, device=dev)
+    for _, _, lc in _chunks(l, chunk, torch.float64):
+        l_sq += (lc * lc).sum()
+    l_sq = all_reduce_sum(l_sq.reshape(1))[0]
+    p = _Problem(u, _sq_norms(u, chunk, cdtype), l, lab_l, K, nL, l_sums, l_cnt, n_u, ops, chunk, l_sq)
+
     frozen = None
     if freeze_labelled_centers:
         frozen = torch.zeros(K, dtype=torch.bool, device=dev)
@@ -541,9 +677,9 @@ def semi_supervised_kmeans(
     n_seeds = K - nL
     rs = np.random.RandomState(seed)
     uniforms = torch.from_numpy(rs.random_sample(n_init * n_seeds)).to(dev).reshape(n_init, n_seeds)
-    kpp_batch = max(1, min(n_init, (2**27) // max(1, 8 * u.shape[0])))  # [N, R] fp64 work arrays of <= 128 MiB
+    kpp_batch = max(1, min(n_init, _KPP_ARRAY_BYTES // max(1, 8 * u.shape[0])))
 
-    exclude = cs if (balanced and balance == "reference") else None
+    exclude = cs if balance == "reference" else None  # cs is None unless balanced
     seeds_all = []
     for r0 in range(0, n_init, kpp_batch):  # restarts share k-means++ passes over the data, kpp_batch at a time
         r1 = min(r0 + kpp_batch, n_init)
@@ -556,13 +692,13 @@ def semi_supervised_kmeans(
     for r in range(n_init):
         C = seeds_all[r].clone()
         run = _Run()
-        if not balanced:
-            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
-        elif balance == "capacity":
-            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_capacity(p, C, cap_free), frozen)
-        else:
+        if balance == "reference":  # Phase A (capacity passes only when balanced), then Phase B
             C = run.iterate(p, C, max_iter, tol, lambda C, it: _assign_reference_phase_a(p, C, cap, it), frozen_a)
             run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
+        elif cap is None:
+            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
+        else:
+            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_capacity(p, C, cap_free), frozen)
         if best is None or run.best[0] < best.best[0]:
             best, best_init = run, r
 
@@ -570,4 +706,6 @@ def semi_supervised_kmeans(
     labels = torch.cat([slot[lab_l], slot[u_lab]])
     centers = torch.empty_like(C)
     centers[slot] = C
-    return KMeansResult(labels, centers, inertia, best.n_iter, list(best.history), ops.name, best_init)
+    counts = all_reduce_sum(torch.tensor([ops.searched, ops.rechecked], dtype=torch.long, device=dev))
+    return KMeansResult(labels, centers, inertia, best.n_iter, list(best.history), ops.name, best_init,
+                        int(counts[0]), int(counts[1]))  # fmt: skip

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
 from benchmarks.published.kmeans import ReferenceSSKMeans
+from infosieve_fast.config import load_config
 from infosieve_fast.kmeans import (
     _assign_capacity,
     _cluster_sums,
+    _pick_backend,
     _Problem,
+    _recheck_threshold,
     _TorchOps,
     faiss_available,
     semi_supervised_kmeans,
 )
 from infosieve_fast.metrics import split_cluster_acc_v2
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(), reason="no faiss"))]
 
@@ -30,6 +37,11 @@ def blobs(n=400, d=8, k=6, n_known=3, seed=0, spread=3.0, weights=None):
     x, y = torch.from_numpy(x), torch.from_numpy(y)
     m = torch.from_numpy(lab)
     return x[~m], x[m], y[m], y[~m]
+
+
+IMBALANCED = dict(  # Phase A's balancing passes move points here
+    n=500, k=5, n_known=2, seed=4, spread=2.0, weights=[0.1, 0.15, 0.4, 0.2, 0.15]
+)
 
 
 def reference(u, l, t, k, *, n_init=3, max_iter=10, seed=0, **kw):
@@ -54,7 +66,7 @@ def test_plain_matches_reference_transcription(backend, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reference_balance_matches_two_phase_transcription(backend):
     # imbalanced blobs so that Phase A's balancing passes actually move points
-    u, l, t, _ = blobs(n=500, k=5, n_known=2, seed=4, spread=2.0, weights=[0.1, 0.15, 0.4, 0.2, 0.15])
+    u, l, t, _ = blobs(**IMBALANCED)
     cs = 100
     ref = reference(u, l, t, 5, variant="infosieve", cluster_size=cs, kpp_deletion="fixed")
     res = semi_supervised_kmeans(
@@ -64,6 +76,36 @@ def test_reference_balance_matches_two_phase_transcription(backend):
     assert res.inertia == pytest.approx(ref.inertia_, rel=1e-12)
     np.testing.assert_allclose(res.history, ref.history_, rtol=1e-12)
     assert np.diff(res.history).max() > 0  # balancing passes moved points: Phase A's inertia rose at some step
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", [0, 5])
+def test_reference_unbalanced_matches_published_two_phases(backend, seed):
+    # the published code runs Phase A (labelled centres frozen) and Phase B also with cluster_size=None (Herbarium19's
+    # --unbalanced); its k-means++ deletion needs a cluster size, so the published deletion setting is kept here
+    u, l, t, _ = blobs(**IMBALANCED)
+    ref = reference(u, l, t, 5, seed=seed, variant="infosieve", cluster_size=None, kpp_deletion="bug")
+    res = semi_supervised_kmeans(u, l, t, 5, n_init=3, seed=seed, balance="reference", backend=backend)
+    assert torch.equal(res.labels, ref.labels_)
+    assert res.inertia == pytest.approx(ref.inertia_, rel=1e-12)
+    np.testing.assert_allclose(res.history, ref.history_, rtol=1e-12)
+    torch.testing.assert_close(res.centers, ref.cluster_centers_, rtol=1e-10, atol=1e-10)
+    # balance="capacity" (the function default) with balanced=False stays GCD's one phase, a different algorithm
+    gcd = semi_supervised_kmeans(u, l, t, 5, n_init=3, seed=seed, backend=backend)
+    ref_gcd = reference(u, l, t, 5, seed=seed)
+    np.testing.assert_allclose(gcd.history, ref_gcd.history_, rtol=1e-12)
+    assert len(gcd.history) != len(res.history) or not np.allclose(gcd.history, res.history)
+
+
+def test_herbarium_config_runs_the_published_unbalanced_two_phases():
+    k = load_config(CONFIGS / "herbarium19.yaml").kmeans
+    assert (k.balanced, k.balance, k.distance_precision) == (False, "reference", "fp32")
+    u, l, t, _ = blobs(**IMBALANCED)
+    res = semi_supervised_kmeans(u, l, t, 5, n_init=2, max_iter=k.max_iter, tol=k.tol, balanced=k.balanced,
+                                 balance=k.balance, distance_precision=k.distance_precision, seed=0)  # fmt: skip
+    ref = reference(u, l, t, 5, n_init=2, max_iter=k.max_iter, variant="infosieve", cluster_size=None)
+    assert torch.equal(res.labels, ref.labels_)
+    assert res.inertia == pytest.approx(ref.inertia_, rel=1e-12)
 
 
 def test_kpp_deletion_bug_reproduced_by_transcription():
@@ -80,7 +122,13 @@ def test_kpp_deletion_bug_reproduced_by_transcription():
 # ------------------------------------------------------------------------------------------------------ invariants
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"freeze_labelled_centers": True}, {"balanced": True}, {"balanced": True, "balance": "reference"}],
+    [
+        {},
+        {"freeze_labelled_centers": True},
+        {"balance": "reference"},
+        {"balanced": True},
+        {"balanced": True, "balance": "reference"},
+    ],
 )
 def test_labelled_points_keep_their_class(kw):
     u, l, t, _ = blobs(n=300, seed=1)
@@ -239,6 +287,161 @@ def test_bad_options():
         semi_supervised_kmeans(u, l, t, 6, balanced=True, balance="sinkhorn")
     with pytest.raises(ValueError, match="backend"):
         semi_supervised_kmeans(u, l, t, 6, backend="cuml")
+    with pytest.raises(ValueError, match="distance_precision must be one of"):
+        semi_supervised_kmeans(u.float(), l.float(), t, 6, distance_precision="fp8")
+    with pytest.raises(ValueError, match="float64 features are clustered exactly"):
+        semi_supervised_kmeans(u, l, t, 6, distance_precision="bf16")
+    if faiss_available():
+        with pytest.raises(ValueError, match="backend='torch'"):
+            semi_supervised_kmeans(u.float(), l.float(), t, 6, backend="faiss", distance_precision="tf32")
+
+
+# ------------------------------------------------------------------------------------------- half-precision features
+MODES = {
+    "plain": {},
+    "reference_unbalanced": {"balance": "reference"},
+    "reference": {"balanced": True, "balance": "reference"},
+    "capacity": {"balanced": True},
+}
+# balanced modes with the stored [N, K] matrix (small problems) and without it (large problems: per-row searches)
+MODE_PATHS = [("plain", True), ("reference_unbalanced", True)] + [
+    (m, stored) for m in ("reference", "capacity") for stored in (True, False)
+]
+
+
+@pytest.mark.parametrize("mode, stored_matrix", MODE_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_features_equal_their_fp32_upcast(monkeypatch, dtype, mode, stored_matrix):
+    # fp16/bf16 features are converted one row chunk at a time (chunk_size=64 forces many chunks); the result must be
+    # exactly that of the fp32 upcast of the same values
+    import infosieve_fast.kmeans as km
+
+    if not stored_matrix:
+        monkeypatch.setattr(km, "_CAPACITY_MATRIX_MAX", 0)
+    u, l, t, _ = blobs(n=500, d=16, k=8, n_known=4, seed=7, spread=1.0)
+    uh, lh = u.to(dtype), l.to(dtype)
+    half = semi_supervised_kmeans(uh, lh, t, 8, n_init=2, seed=3, chunk_size=64, **MODES[mode])
+    full = semi_supervised_kmeans(uh.float(), lh.float(), t, 8, n_init=2, seed=3, chunk_size=64, **MODES[mode])
+    assert torch.equal(half.labels, full.labels) and torch.equal(half.centers, full.centers)
+    assert half.inertia == full.inertia and half.history == full.history and half.centers.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------- low-precision distance GEMMs
+def near_tie_rows(n_tie=300, n_clear=100, d=64, seed=0):
+    """Centres 0 and 1 and points on their bisector pushed toward one of them by 1e-4..1e-3 (fp32 resolves these
+    gaps, bf16 does not), plus points next to centres 2..5 (far from any tie). Returns x, C, the fp64 argmin."""
+    g = torch.Generator().manual_seed(seed)
+    C = torch.randn(6, d, generator=g)
+    a, b = C[0], C[1]
+    w = (a - b) / (a - b).norm()
+    x = (a + b) / 2 + 0.5 * torch.randn(n_tie, d, generator=g)
+    x -= (x - (a + b) / 2) @ w[:, None] * w  # onto the bisector
+    step = (1e-4 + 9e-4 * torch.rand(n_tie, generator=g)) * torch.where(torch.rand(n_tie, generator=g) < 0.5, 1, -1)
+    x += step[:, None] * w
+    clear = C[2 + torch.arange(n_clear) % 4] + 0.1 * torch.randn(n_clear, d, generator=g)
+    x = torch.cat([x, clear])
+    truth = torch.cdist(x.double(), C.double()).argmin(1)
+    return x, C, truth
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_low_precision_search_equals_fp32_on_near_ties(precision):
+    x, C, truth = near_tie_rows()
+    x2 = (x * x).sum(1)
+    d32, i32 = _TorchOps(128).nearest(x, x2, C)
+    assert torch.equal(i32, truth)  # the constructed gaps are resolved in fp32
+    ops = _TorchOps(128, precision)
+    d_low, i_low = ops.nearest(x, x2, C)
+    assert torch.equal(i_low, i32)
+    torch.testing.assert_close(d_low, d32, rtol=1e-5, atol=1e-4)
+    assert ops.searched == len(x) and ops.rechecked > 0
+    # near-tie rows are re-searched exactly, clear rows are not
+    ties, clear = _TorchOps(128, precision), _TorchOps(128, precision)
+    ties.nearest(x[:300], x2[:300], C)
+    clear.nearest(x[300:], x2[300:], C)
+    assert ties.rechecked + clear.rechecked == ops.rechecked and clear.rechecked == 0
+    if precision == "bf16":  # without the recheck bf16 would get near ties wrong: the recheck is what makes it exact
+        wrong = int((((C * C).sum(1) - 2 * (x.bfloat16() @ C.bfloat16().t()).float()).argmin(1) != truth).sum())
+        assert 10 < wrong <= ties.rechecked
+    # restricted search (balancing / capacity rounds): centre 0 not allowed
+    allowed = torch.tensor([False, True, True, True, True, True])
+    rows = torch.arange(0, len(x), 3)
+    _, i32r = _TorchOps(50).nearest(x, x2, C, rows=rows, allowed=allowed)
+    _, ilr = _TorchOps(50, precision).nearest(x, x2, C, rows=rows, allowed=allowed)
+    assert torch.equal(ilr, i32r) and not bool((i32r == 0).any())
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_recheck_threshold_bounds_the_bf16_error(scale):
+    # property: every low-precision value c2 - 2 x·c is within half the threshold of the fp32 GEMM's value
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2000, 96, generator=g) * scale
+    C = torch.randn(40, 96, generator=g) * scale * torch.rand(40, 1, generator=g)
+    c2 = (C * C).sum(1)
+    v32 = torch.addmm(c2, x, C.t(), beta=1, alpha=-2)
+    v_low = torch.add(c2, x.bfloat16() @ C.bfloat16().t(), alpha=-2)
+    thr = _recheck_threshold("bf16", 96, True, x.norm(dim=1), C.norm(dim=1).max())
+    err = (v_low - v32).abs().max(1).values
+    assert bool((err <= thr / 2).all())
+    assert float((err / thr).max()) > 1e-3  # and the bound is not vacuous: within three orders of the worst error
+
+
+@pytest.mark.parametrize("mode, stored_matrix", MODE_PATHS)
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_low_precision_kmeans_labels_equal_fp32(monkeypatch, precision, mode, stored_matrix):
+    import infosieve_fast.kmeans as km
+
+    if not stored_matrix:
+        monkeypatch.setattr(km, "_CAPACITY_MATRIX_MAX", 0)
+    u, l, t, _ = blobs(n=600, d=32, k=10, n_known=5, seed=3, spread=0.6)  # overlapping blobs: many near ties
+    u, l = u.float(), l.float()
+    ref = semi_supervised_kmeans(u, l, t, 10, n_init=2, seed=1, chunk_size=100, **MODES[mode])
+    low = semi_supervised_kmeans(u, l, t, 10, n_init=2, seed=1, chunk_size=100, distance_precision=precision,
+                                 **MODES[mode])  # fmt: skip
+    assert torch.equal(low.labels, ref.labels)
+    assert low.inertia == pytest.approx(ref.inertia, rel=1e-6)
+    assert ref.searched_rows == ref.rechecked_rows == 0
+    assert low.searched_rows > 0 and 0 < low.rechecked_rows < low.searched_rows
+
+
+def test_fp32_search_runs_in_ieee_even_when_tf32_is_allowed(monkeypatch):
+    import infosieve_fast.kmeans as km
+
+    seen = []
+    original = km._kmeans_pp
+    monkeypatch.setattr(
+        km, "_kmeans_pp", lambda *a: seen.append(torch.backends.cuda.matmul.fp32_precision) or original(*a)
+    )
+    u, l, t, _ = blobs(n=100)
+    old = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        semi_supervised_kmeans(u, l, t, 6, n_init=1)
+        assert seen == ["ieee"] and torch.backends.cuda.matmul.fp32_precision == "tf32"  # restored afterwards
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = old
+
+
+# --------------------------------------------------------------------------------------------------- backend choice
+def test_auto_backend_is_faiss_only_with_gpu_faiss_and_cuda_features(monkeypatch):
+    import infosieve_fast.kmeans as km
+
+    monkeypatch.setattr(km, "faiss_available", lambda gpu=False: True)  # a GPU build of FAISS that sees a GPU
+    assert _pick_backend("auto", True, "fp32") == "faiss"
+    assert _pick_backend("auto", False, "fp32") == "torch"
+    assert _pick_backend("auto", True, "tf32") == "torch"  # FAISS has no low-precision search with recheck
+    monkeypatch.setattr(km, "faiss_available", lambda gpu=False: not gpu)  # faiss-cpu
+    assert _pick_backend("auto", True, "fp32") == "torch"
+    assert _pick_backend("faiss", False, "fp32") == "faiss" and _pick_backend("torch", True, "fp32") == "torch"
+
+
+def test_auto_backend_on_this_machine():
+    u, l, t, _ = blobs(n=100)
+    if faiss_available():
+        import faiss
+
+        assert faiss_available(gpu=True) == (hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0)
+    assert semi_supervised_kmeans(u, l, t, 6, n_init=1).backend == "torch"  # CPU features: torch even with FAISS
 
 
 # ------------------------------------------------------------------------------------------------------ real data
@@ -282,7 +485,7 @@ def test_balancing_without_the_stored_matrix(monkeypatch, balance):
     # large problems recompute distances per round / pass instead of keeping [N, K]: same labels
     import infosieve_fast.kmeans as km
 
-    u, l, t, _ = blobs(n=500, k=5, n_known=2, seed=4, spread=2.0, weights=[0.1, 0.15, 0.4, 0.2, 0.15])
+    u, l, t, _ = blobs(**IMBALANCED)
     kw = dict(n_init=2, seed=0, balanced=True, balance=balance, cluster_size=100)
     a = semi_supervised_kmeans(u, l, t, 5, **kw)
     monkeypatch.setattr(km, "_CAPACITY_MATRIX_MAX", 0)
@@ -292,13 +495,19 @@ def test_balancing_without_the_stored_matrix(monkeypatch, balance):
         assert torch.bincount(a.labels).max() <= 100
 
 
-def test_cluster_sums_onehot_path_equals_index_add():
-    # the CUDA path (one-hot GEMM, deterministic) against index_add_, run on the CPU
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_cluster_sums_segment_path_equals_index_add(dtype):
+    # the CUDA path (rows sorted by cluster, segment sums across row chunks; deterministic) against index_add_ and a
+    # per-cluster loop, run on the CPU; half-precision rows are summed in the compute dtype
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(1000, 7, generator=g, dtype=torch.float64)
+    x = torch.randn(1000, 7, generator=g, dtype=torch.float64).to(dtype)
     lab = torch.randint(0, 9, (1000,), generator=g)
     lab[lab == 4] = 3  # an empty cluster
-    a = _cluster_sums(x, lab, 9, 128, onehot=False)
-    b = _cluster_sums(x, lab, 9, 128, onehot=True)
-    torch.testing.assert_close(a, b)
-    assert torch.equal(a[4], torch.zeros(7, dtype=torch.float64))
+    cdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    a = _cluster_sums(x, lab, 9, 128, cdtype, segments=False)
+    b = _cluster_sums(x, lab, 9, 128, cdtype, segments=True)
+    loop = torch.stack([x[lab == k].to(torch.float64).sum(0) for k in range(9)]).to(cdtype)
+    assert a.dtype == b.dtype == cdtype
+    torch.testing.assert_close(a, loop)
+    torch.testing.assert_close(b, loop)
+    assert torch.equal(a[4], torch.zeros(7, dtype=cdtype)) and torch.equal(b[4], a[4])

@@ -1,0 +1,241 @@
+"""An ImageNet-1k epoch projected from a measured window: synthetic JPEG shards streamed through the real trainer.
+
+    python benchmarks/bench_epoch_scale.py --device cuda --kmeans-json RESULTS/card-kmeans-imagenet1k.json \
+        --json RESULTS/card-epoch-imagenet1k.json                    # ViT-B/16, 32,768 images, 512 steps (GPU check)
+    python benchmarks/bench_epoch_scale.py --device cpu --n 96 --size 64 --crop 32 --batch 16 --steps 8 \
+        --backbone resnet10t --workers 1                             # a CPU smoke run (tests/test_bench_epoch_scale.py)
+
+What runs, with configs/imagenet1k.yaml (ViT-B/16 from random weights: the speed is the same), streamed from shards
+(`data.cache=off`, as ImageNet-1k's ~335 GB of decoded images never fit a cache) with `data.decode` (default auto:
+nvJPEG on CUDA):
+1. shards: `--n` synthetic "natural" images (bench_scale's generator: 1/f texture, ellipses, noise; ~50 KB JPEG
+   quality 95 at shorter side 256, long side 256-384) of `--classes` classes, cached under `--shards-dir`;
+2. loader alone: `--loader-batches` training batches read, decoded and delivered on the device; images/s; the same
+   with the other decode path (`loader_other_decode`: CPU workers vs nvJPEG) for comparison;
+3. feature pass over all `--n` images (the trainer's `extract_features`: augmented view, bf16 forward); images/s;
+4. the training window: `Trainer.train_step` over the sampler's batches (epochs in a row) until `--steps` steps, timed
+   from the first batch to the device's last kernel; ms/step, images/s, the host's time waiting for the loader
+   (`loader_wait_fraction`), and GPU utilisation sampled by `nvidia-smi` every 200 ms (mean and median);
+5. projection for ImageNet-1k (1,281,167 train images, batch `--batch`): feature pass = N / its rate, steps =
+   N // batch x ms/step, k-means = the ImageNet-size round measured by `bench_kmeans.py --scale imagenet1k`
+   (`--kmeans-json`; without it the projection leaves k-means out and says so).
+The loader is "never the bottleneck" when it delivers faster than training consumes (`loader_vs_train` > 1) and the
+training loop almost never waits for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_scale import write_synthetic_shards  # noqa: E402
+from benchmarks.provenance import device_name, git_state  # noqa: E402
+from infosieve_fast.config import load_config  # noqa: E402
+from infosieve_fast.data.stream import ShardSource  # noqa: E402
+from infosieve_fast.engine import LossMonitor, Trainer  # noqa: E402
+
+IMAGENET1K_TRAIN = 1_281_167
+
+
+class GpuUtilisation:
+    """`nvidia-smi` utilisation samples (percent) every 200 ms while active; nothing where there is no nvidia-smi."""
+
+    def __init__(self, device: torch.device):
+        self.samples: list[float] = []
+        self._proc = None
+        if device.type != "cuda":
+            return
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", f"--id={index}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+        except OSError:
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                self.samples.append(float(line.strip()))
+            except ValueError:
+                pass
+
+    def stop(self) -> dict:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+        if not self.samples:
+            return {"mean": None, "median": None, "samples": 0}
+        return {"mean": round(statistics.mean(self.samples), 1), "median": statistics.median(self.samples),
+                "samples": len(self.samples)}  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_trainer(args, shards: Path) -> Trainer:
+    overrides = [
+        f"data.shards={shards}", f"data.batch_size={args.batch}", f"data.feature_batch_size={args.feature_batch}",
+        "data.cache=off", f"data.decode={args.decode}", f"data.num_workers={args.workers}",
+        f"data.crop_size={args.crop}", f"train.device={args.device}", "model.pretrained=null",
+        f"model.backbone={args.backbone}", f"train.seed={args.seed}",
+    ]  # fmt: skip
+    if args.backbone.startswith("vit") and args.crop != 224:
+        overrides.append(f"model.backbone_kwargs={{img_size: {args.crop}}}")
+    return Trainer(load_config("configs/imagenet1k.yaml", overrides + list(args.set)))
+
+
+def loader_rate(source, batch_size: int, batches: int) -> dict:
+    dev = source.device
+    it = source.train_batches(batch_size, epoch=100, seed=0)
+    next(it)  # workers started, first batch in
+    _sync(dev)
+    t0, n = time.perf_counter(), 0
+    for _, batch in zip(range(batches), it, strict=False):
+        n += len(batch.uq)
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    return {"images": n, "seconds": round(seconds, 3), "images_per_s": round(n / seconds, 1)}
+
+
+def feature_pass(trainer: Trainer) -> tuple[dict, object]:
+    dev = trainer.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    fs = trainer.extract_features("train", seed=0)
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    n = len(fs.uq)
+    return {"images": n, "seconds": round(seconds, 3), "images_per_s": round(n / seconds, 1)}, fs
+
+
+def training_window(trainer: Trainer, pseudo: torch.Tensor, steps: int, warmup: int) -> dict:
+    dev, bs = trainer.device, trainer.cfg.data.batch_size
+    gen = torch.Generator(device=dev).manual_seed(0)
+    monitor = LossMonitor(0)
+    util = None
+    wait, done, epoch, t0 = 0.0, 0, 0, None
+    while done < steps + warmup:
+        batches = iter(trainer.source.train_batches(bs, epoch=epoch, seed=0))
+        while done < steps + warmup:
+            w0 = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            if done == warmup:  # the window starts with this batch in hand
+                _sync(dev)
+                t0, wait, util = time.perf_counter(), 0.0, GpuUtilisation(dev)
+            elif done > warmup:
+                wait += time.perf_counter() - w0
+            trainer.train_step(batch, pseudo, gen, monitor)
+            done += 1
+        epoch += 1
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    monitor.check()
+    return {
+        "steps": steps, "warmup_steps": warmup, "seconds": round(seconds, 3),
+        "ms_per_step": round(1000 * seconds / steps, 2), "images_per_s": round(steps * bs / seconds, 1),
+        "loader_wait_fraction": round(wait / seconds, 4), "gpu_utilisation_percent": util.stop(),
+        "epochs_spanned": epoch,
+    }  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--n", type=int, default=32_768, help="synthetic train images")
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--size", type=int, default=256, help="stored shorter side")
+    p.add_argument("--crop", type=int, default=224)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--feature-batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=512, help="timed training steps (>= 500 for the issue's window)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--loader-batches", type=int, default=100)
+    p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
+    p.add_argument("--decode", default="auto", choices=("auto", "cpu", "gpu"))
+    p.add_argument("--backbone", default="vit_base_patch16_224")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--set", action="append", default=[], help="extra config overrides, key=value")
+    p.add_argument("--shards-dir", default=None, help="default: /tmp/infosieve-bench-epoch/natural-n{n}-s{size}")
+    p.add_argument("--kmeans-json", default=None, help="bench_kmeans.py --scale imagenet1k output to project with")
+    p.add_argument("--json", default=None, help="also write the JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    commit, dirty = git_state()
+    shards = Path(args.shards_dir or f"/tmp/infosieve-bench-epoch/natural-n{args.n}-s{args.size}")
+    data = write_synthetic_shards(shards, kind="natural", n=args.n, n_classes=args.classes, size=args.size, seed=0,
+                                  shard_size_mb=64, workers=os.cpu_count() or 2)  # fmt: skip
+    trainer = build_trainer(args, shards)
+    loader = loader_rate(trainer.source, args.batch, args.loader_batches)
+    other = "cpu" if trainer.source.gpu_decode else "gpu"
+    loader_other = None
+    if other == "cpu" or trainer.device.type == "cuda":  # the other decode path, for comparison
+        src = ShardSource(shards, device=trainer.device, cache="off", decode=other, num_workers=args.workers, seed=1)
+        loader_other = {"decode": other, **loader_rate(src, args.batch, args.loader_batches)}
+    features, fs = feature_pass(trainer)
+    t0 = time.perf_counter()
+    pseudo, _ = trainer.cluster(fs, seed=0, balanced=trainer.cfg.kmeans.balanced)
+    kmeans_here = time.perf_counter() - t0
+    window = training_window(trainer, pseudo, args.steps, args.warmup)
+
+    kmeans_seconds, kmeans_source = None, "not measured: pass --kmeans-json (bench_kmeans.py --scale imagenet1k)"
+    if args.kmeans_json and Path(args.kmeans_json).is_file():
+        kmeans_seconds = json.loads(Path(args.kmeans_json).read_text())["summary"]["seconds"]
+        kmeans_source = args.kmeans_json
+    n, bs = IMAGENET1K_TRAIN, args.batch
+    projection = {
+        "n_train": n, "batch": bs, "feature_pass_s": round(n / features["images_per_s"], 1),
+        "steps": n // bs, "steps_s": round(n // bs * window["ms_per_step"] / 1000, 1),
+        "kmeans_s": kmeans_seconds, "kmeans_source": kmeans_source,
+    }  # fmt: skip
+    total = projection["feature_pass_s"] + projection["steps_s"] + (kmeans_seconds or 0.0)
+    projection["epoch_minutes"] = round(total / 60, 2)
+    result = {
+        "benchmark": "bench_epoch_scale", "commit": commit, "dirty": dirty,
+        "device": device_name(trainer.device), "command": " ".join([sys.executable, *sys.argv]),
+        "summary": {
+            "projected_epoch_minutes": projection["epoch_minutes"],
+            "projection_includes_kmeans": kmeans_seconds is not None,
+            "ms_per_step": window["ms_per_step"], "train_images_per_s": window["images_per_s"],
+            "loader_images_per_s": loader["images_per_s"],
+            "loader_vs_train": round(loader["images_per_s"] / window["images_per_s"], 2),
+            "loader_wait_fraction": window["loader_wait_fraction"],
+            "gpu_utilisation_mean_percent": window["gpu_utilisation_percent"]["mean"],
+            "feature_images_per_s": features["images_per_s"],
+        },
+        "projection": projection, "window": window, "loader": loader, "loader_other_decode": loader_other,
+        "feature_pass": features,
+        "kmeans_at_this_n_s": round(kmeans_here, 2), "data": data,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "decode_on_gpu": trainer.source.gpu_decode,
+    }  # fmt: skip
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""`benchmarks/bench_epoch_scale.py` run tiny on the CPU: the window, the loader and the projection arithmetic."""
+
+import json
+
+import pytest
+
+from benchmarks.bench_epoch_scale import IMAGENET1K_TRAIN, main
+
+TINY = [
+    "--device", "cpu", "--n", "96", "--classes", "8", "--size", "64", "--crop", "32", "--batch", "16",
+    "--feature-batch", "32", "--steps", "8", "--warmup", "2", "--loader-batches", "4", "--backbone", "resnet10t",
+    "--workers", "1", "--set", "model.grad_from_block=null", "--set", "model.proj_out_dim=256",
+    "--set", "model.proj_hidden_dim=128", "--set", "model.proj_bottleneck_dim=64", "--set", "kmeans.n_init=1",
+]  # fmt: skip
+
+
+def test_tiny_run_projects_an_imagenet_epoch(tmp_path):
+    kmeans = tmp_path / "kmeans.json"
+    kmeans.write_text(json.dumps({"summary": {"seconds": 7.5}}))
+    out = tmp_path / "epoch.json"
+    res = main([*TINY, "--shards-dir", str(tmp_path / "shards"), "--kmeans-json", str(kmeans), "--json", str(out)])
+    assert json.loads(out.read_text()) == res
+    w, p, s = res["window"], res["projection"], res["summary"]
+    assert w["steps"] == 8 and w["epochs_spanned"] >= 2  # 96 // 16 = 6 steps per epoch: the window spans epochs
+    assert res["loader"]["images"] == 4 * 16 and res["feature_pass"]["images"] == 96
+    assert p["steps"] == IMAGENET1K_TRAIN // 16
+    assert p["steps_s"] == pytest.approx(p["steps"] * w["ms_per_step"] / 1000, abs=0.06)
+    assert p["feature_pass_s"] == pytest.approx(IMAGENET1K_TRAIN / res["feature_pass"]["images_per_s"], abs=0.06)
+    assert p["kmeans_s"] == 7.5 and s["projection_includes_kmeans"]
+    assert s["projected_epoch_minutes"] == pytest.approx((p["feature_pass_s"] + p["steps_s"] + 7.5) / 60, abs=0.01)
+    assert 0 <= s["loader_wait_fraction"] < 1 and s["gpu_utilisation_mean_percent"] is None
+    assert s["loader_vs_train"] == pytest.approx(s["loader_images_per_s"] / s["train_images_per_s"], rel=0.01)
