@@ -15,9 +15,11 @@
 #   4. every kernel parity test on CUDA (pytest-xdist from .whl/ when carried);
 #   5. bench_kmeans on the GPU against the published k-means (its broadcast chunk distance) on the GPU;
 #   6. one k-means pseudo-label round at ImageNet-1k size (1.28M x 768 fp16 features, K = 1000, 10 x 10, balanced
-#      reference mode) with fp32, tf32 and bf16 nearest-centre searches: seconds and peak memory beyond the features.
+#      reference mode) with fp32, tf32 and bf16 nearest-centre searches: seconds and peak memory beyond the features;
+#   7. an ImageNet-1k epoch projected from 512 ViT-B/16 steps on synthetic JPEG shards streamed with nvJPEG
+#      (bench_epoch_scale.py: loader alone, CPU vs GPU decode, loader wait, GPU utilisation; uses step 6's k-means).
 # Writes <card>-env.txt, -train.json (+ .log), -resume.txt, -demo.txt, -tests.txt, -kmeans.json (+ .log),
-# -kmeans-imagenet1k.json (+ .log) and -summary.txt into RESULTS_DIR (default benchmarks/results), <card> being a slug
+# -kmeans-imagenet1k.json (+ .log), -epoch-imagenet1k.json (+ .log) and -summary.txt into RESULTS_DIR (default benchmarks/results), <card> being a slug
 # of the GPU's name. Wheels in .whl/ are installed into /tmp/site first (the machine has no package registry).
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -100,7 +102,8 @@ step "demo training (CUDA)" 50 "$RESULTS/$card-demo.txt" "$PY" -m infosieve_fast
 xdist=()
 "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
 step "kernel parity tests (CUDA)" 100 "$RESULTS/$card-tests.txt" "$PY" -m pytest "${xdist[@]}" \
-  tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests/test_compat.py -q -rfEs -p no:cacheprovider
+  tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests/test_compat.py \
+  tests/test_data_stream_exact.py -q -rfEs -p no:cacheprovider
 
 step "bench_kmeans vs published k-means (GPU)" 55 "$RESULTS/$card-kmeans.log" "$PY" benchmarks/bench_kmeans.py \
   --device cuda --cases a,b --ref-inits 1,1 --ref-distance broadcast --modes plain,reference --repeat 1 \
@@ -109,6 +112,10 @@ step "bench_kmeans vs published k-means (GPU)" 55 "$RESULTS/$card-kmeans.log" "$
 step "k-means round at ImageNet-1k size (GPU)" 120 "$RESULTS/$card-kmeans-imagenet1k.log" "$PY" \
   benchmarks/bench_kmeans.py --device cuda --scale imagenet1k --distance-precision fp32,tf32,bf16 \
   --json "$RESULTS/$card-kmeans-imagenet1k.json"
+
+step "ImageNet-1k epoch projection, streamed shards (GPU)" 240 "$RESULTS/$card-epoch-imagenet1k.log" "$PY" \
+  benchmarks/bench_epoch_scale.py --device cuda --kmeans-json "$RESULTS/$card-kmeans-imagenet1k.json" \
+  --json "$RESULTS/$card-epoch-imagenet1k.json"
 
 echo "=== summary ($RESULTS)"
 cat "$summary"

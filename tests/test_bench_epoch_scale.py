@@ -16,7 +16,8 @@ TINY = [
 
 def test_tiny_run_projects_an_imagenet_epoch(tmp_path):
     kmeans = tmp_path / "kmeans.json"
-    kmeans.write_text(json.dumps({"summary": {"seconds": 7.5}}))
+    runs = [{"distance_precision": "bf16", "seconds": 2.0}, {"distance_precision": "fp32", "seconds": 7.5}]
+    kmeans.write_text(json.dumps({"runs": runs}))
     out = tmp_path / "epoch.json"
     res = main([*TINY, "--shards-dir", str(tmp_path / "shards"), "--kmeans-json", str(kmeans), "--json", str(out)])
     assert json.loads(out.read_text()) == res
