@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         loader_other = {"decode": other, **loader_rate(src, args.batch, args.loader_batches)}
     features, fs = feature_pass(trainer)
     t0 = time.perf_counter()
-    pseudo, _ = trainer.cluster(fs, seed=0, balanced=trainer.cfg.kmeans.balanced)
+    pseudo = trainer.cluster(fs, seed=0, balanced=trainer.cfg.kmeans.balanced).labels
     kmeans_here = time.perf_counter() - t0
     window = training_window(trainer, pseudo, args.steps, args.warmup)
 

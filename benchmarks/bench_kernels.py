@@ -9,11 +9,11 @@ Cases:
   [N, D], N in {256, ..., 65,536}, D in {40, 256, 65,536}, where they fit: a combination whose estimated memory or
   time does not fit is recorded as {"skipped": reason}, and so is one that runs out of memory.
 
-Variants: `fused` (the Triton modules `kernels/code_head.py` and `kernels/contrastive.py`, called directly), `eager`
-(`kernels.reference`), `compiled` (`torch.compile(reference)`). On the CPU only `eager` runs (Triton-interpreter
-timings mean nothing; `--quick` is the CPU smoke run). A missing Triton module is reported as "unavailable: ...",
-never a crash. A time budget (`--budget-s`, default 210 s on CUDA) keeps the whole run short: cases left when it is
-spent are "skipped: time budget spent".
+Variants: `fused` (the Triton modules `kernels/code_head_triton.py` and `kernels/contrastive_triton.py`, called
+directly), `eager` (`kernels.reference`), `compiled` (`torch.compile(reference)`). On the CPU only `eager` runs
+(Triton-interpreter timings mean nothing; `--quick` is the CPU smoke run). A missing Triton module is reported as
+"unavailable: ...", never a crash. A time budget (`--budget-s`, default 210 s on CUDA) keeps the whole run short:
+cases left when it is spent are "skipped: time budget spent".
 
     python benchmarks/bench_kernels.py --device cuda --json benchmarks/results/nvidia-h200-kernels.json
     python benchmarks/bench_kernels.py --device cpu --quick --json /tmp/kernels-cpu.json
@@ -179,7 +179,7 @@ def variants_for(device: torch.device, fused_missing: str | None, compile_ok: bo
 
 def code_head_case(n: int, device, budget: Budget, args, plan: dict, compiled_fn) -> dict:
     fns = {
-        "fused": lambda *a: importlib.import_module("kernels.code_head").code_head(*a),
+        "fused": lambda *a: importlib.import_module("kernels.code_head_triton").code_head(*a),
         "eager": reference.code_head,
         "compiled": compiled_fn,
     }
@@ -221,8 +221,8 @@ def contrastive_loss(info_nce, supcon):
 def contrastive_case(n: int, d: int, device, budget: Budget, args, plan: dict, compiled_fn) -> dict:
     fns = {
         "fused": contrastive_loss(
-            lambda *a: importlib.import_module("kernels.contrastive").info_nce_loss(*a),
-            lambda *a: importlib.import_module("kernels.contrastive").supcon_loss(*a),
+            lambda *a: importlib.import_module("kernels.contrastive_triton").info_nce_loss(*a),
+            lambda *a: importlib.import_module("kernels.contrastive_triton").supcon_loss(*a),
         ),
         "eager": contrastive_loss(reference.info_nce_loss, reference.supcon_loss),
         "compiled": compiled_fn,
@@ -309,13 +309,13 @@ def main(argv=None) -> int:
     )
 
     if args.only in (None, "code_head"):
-        plan = variants_for(device, fused_status("code_head"), not args.no_compile)
+        plan = variants_for(device, fused_status("code_head_triton"), not args.no_compile)
         compiled = torch.compile(reference.code_head) if plan["compiled"] is None else None
         for n in code_n:
             results["code_head"].append(code_head_case(n, device, budget, args, plan, compiled))
             _progress(results["code_head"][-1])
     if args.only in (None, "contrastive"):
-        plan = variants_for(device, fused_status("contrastive"), not args.no_compile)
+        plan = variants_for(device, fused_status("contrastive_triton"), not args.no_compile)
         compiled = (
             torch.compile(contrastive_loss(reference.info_nce_loss, reference.supcon_loss))
             if plan["compiled"] is None

@@ -13,7 +13,8 @@ import torch
 CHECKPOINT = "checkpoint.pt"
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """Write `path` through `write(binary file)` into a temporary file, fsynced, then renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -29,7 +30,7 @@ def _atomic_write(path: Path, write) -> None:
 
 def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> Path:
     path = Path(run_dir) / CHECKPOINT
-    _atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(path, lambda f: torch.save(state, f))
     return path
 
 
@@ -51,12 +52,12 @@ def load_checkpoint(run_dir: str | Path, map_location="cpu") -> dict[str, Any]:
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    _atomic_write(Path(path), lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+    atomic_write(Path(path), lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
 
 
 def rewrite_log(path: str | Path, records: list[dict]) -> None:
     """Replace `log.jsonl` with `records` (used on resume to drop epochs the checkpoint does not contain)."""
-    _atomic_write(Path(path), lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
+    atomic_write(Path(path), lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
 
 
 def append_log(path: str | Path, record: dict) -> None:

@@ -106,6 +106,25 @@ class FeatureSet:
     all_uq: Tensor  # long [M]: every rank's `uq` concatenated in rank order (each readable sample once)
 
 
+@dataclass
+class Clustering:
+    """One SS-k-means round over the train samples (tables indexed by uq, complete on every rank)."""
+
+    labels: Tensor  # long [n_train]: cluster id, -1 for unreadable samples
+    inertia: float
+    centers: Tensor  # float32 [K, D]: row c is cluster c's centre (clusters 0..n_old-1 hold the known classes)
+
+
+@dataclass
+class Evaluation:
+    """The evaluation's clustering of the test-view features and its All/Old/New on the unlabelled samples."""
+
+    metrics: dict[str, float]
+    clustering: Clustering
+    targets: Tensor  # long [n_train], -1 for unreadable samples
+    unlabelled: Tensor  # bool [n_train]: unlabelled and readable (the samples the metrics are computed on)
+
+
 def resolve_device(name: str) -> torch.device:
     """The device named by `train.device`; under torchrun a CUDA device is this process's `cuda:LOCAL_RANK`."""
     if name == "auto":
@@ -189,6 +208,8 @@ class Trainer:
         # find_unused_parameters.
         self.net: torch.nn.Module = self.model
         self.unreadable: list[int] = []  # uq of the train samples no rank could read (found by the feature passes)
+        # the latest SS-k-means centres [K, D] (CPU): the epoch's pseudo-label round, then the final evaluation's
+        self.centers: Tensor | None = None
         if dist.get_world_size() > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
@@ -249,8 +270,9 @@ class Trainer:
         table[fs.all_uq] = gathered
         return table
 
-    def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> tuple[Tensor, float]:
-        """SS-k-means cluster id of every train sample, indexed by uq (complete on every rank), and the inertia."""
+    def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Clustering:
+        """SS-k-means cluster id of every train sample, indexed by uq (complete on every rank), the inertia and the
+        centres."""
         k = self.cfg.kmeans
         lab = fs.labelled
         result = semi_supervised_kmeans(
@@ -263,17 +285,22 @@ class Trainer:
         n_lab = int(lab.sum())
         mine[lab.nonzero().squeeze(1)] = labels[:n_lab]
         mine[(~lab).nonzero().squeeze(1)] = labels[n_lab:]
-        return self.gather_table(fs, mine), float(result.inertia)
+        return Clustering(self.gather_table(fs, mine), float(result.inertia), result.centers.float())
 
     def evaluate(self) -> dict[str, float]:
         """All/Old/New accuracy of SS-k-means on test-view backbone features, on the unlabelled train samples (all
         ranks' shares: every rank returns the same numbers)."""
+        return self.evaluate_full().metrics
+
+    def evaluate_full(self) -> Evaluation:
+        """`evaluate`, with the clustering it scored."""
         fs = self.extract_features("test")
-        preds, _ = self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced)
+        clustering = self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced)
         targets = self.gather_table(fs, fs.targets)
         unl = self.gather_table(fs, (~fs.labelled).long(), fill=0).bool()  # unlabelled and readable
         y = targets[unl]
-        return evaluate_split(y, preds[unl], y < self.source.n_old, self.cfg.train.eval_protocol)
+        metrics = evaluate_split(y, clustering.labels[unl], y < self.source.n_old, self.cfg.train.eval_protocol)
+        return Evaluation(metrics, clustering, targets, unl)
 
     # ------------------------------------------------------------------------------------------------ training
     def train_epoch(self, epoch: int) -> dict:
@@ -288,7 +315,8 @@ class Trainer:
         fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
         check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
         features_done = time.perf_counter()  # the checks above read the device: the feature pass has finished
-        pseudo, inertia = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
+        clustering = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
+        pseudo, self.centers = clustering.labels, clustering.centers.cpu()
         kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
 
         gen = self._generator(rank_seed(epoch_seed(cfg.train.seed, epoch, 3)))
@@ -314,7 +342,7 @@ class Trainer:
         record.update({f"loss_{k}": v for k, v in monitor.means().items()})
         end = time.perf_counter()  # monitor.check() read the device: the steps have finished
         record.update({
-            "kmeans_inertia": inertia, "seconds": end - start, "seconds_features": features_done - start,
+            "kmeans_inertia": clustering.inertia, "seconds": end - start, "seconds_features": features_done - start,
             "seconds_kmeans": kmeans_done - features_done, "seconds_steps": end - kmeans_done,
         })  # fmt: skip
         return record
@@ -340,12 +368,15 @@ class Trainer:
             "before": before,
             "config": self.cfg.to_dict(),
             "torch_rng": ckpt.rng_state(),
+            "centers": self.centers,
+            "class_names": list(self.source.class_names),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         ckpt.restore_rng_state(state["torch_rng"])
+        self.centers = state.get("centers")
 
 
 def print_table(metrics: dict[str, dict[str, float]], protocol: str) -> None:
@@ -412,13 +443,28 @@ def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
         dist.barrier()  # the checkpoint is on disk before any rank moves on (or stops)
         if stop_after is not None and stop_after(epoch):
             return None
-    after = trainer.evaluate()
+    final = trainer.evaluate_full()
+    after = final.metrics
     metrics = {"before": before, "after": after, "protocol": cfg.train.eval_protocol}
+    trainer.centers = final.clustering.centers.cpu()
     if main:
+        ckpt.save_checkpoint(run_dir, trainer.state_dict(cfg.schedule.epochs, before))  # with the final centres
+        write_clustering(run_dir, final, trainer.source.n_old)
         ckpt.write_json(run_dir / "metrics.json", metrics)
     print_table({"before": before, "after": after}, cfg.train.eval_protocol)
     dist.barrier()
     return metrics
+
+
+def write_clustering(run_dir: Path, final: Evaluation, n_old: int) -> None:
+    """`RUN/clustering.npz`: the final clustering of the unlabelled train samples (uq, target, cluster) that the
+    reported metrics score, for `infosieve report`."""
+    import numpy as np
+
+    unl = final.unlabelled
+    arrays = {"uq": torch.nonzero(unl).squeeze(1), "targets": final.targets[unl], "preds": final.clustering.labels[unl]}
+    arrays = {k: v.cpu().numpy() for k, v in arrays.items()}
+    ckpt.atomic_write(run_dir / "clustering.npz", lambda f: np.savez(f, n_old=n_old, **arrays))
 
 
 def write_unreadable(run_dir: Path, trainer: Trainer) -> None:

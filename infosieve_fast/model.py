@@ -25,18 +25,22 @@ from .config import ModelConfig
 _BLOCK_INDEX = re.compile(r"blocks?\.(\d+)\.")
 
 
-def _trunc_normal_init(module: nn.Module) -> None:
+def trunc_normal_init(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
 
 
-def _mlp(in_dim: int, hidden_dim: int, out_dim: int, n_hidden: int) -> nn.Sequential:
-    """Linear(in, h), GELU, [Linear(h, h), GELU] * n_hidden, Linear(h, out): Linear layers at indices 0, 2, 4, ..."""
-    layers: list[nn.Module] = [nn.Linear(in_dim, hidden_dim), nn.GELU()]
-    for _ in range(n_hidden):
-        layers += [nn.Linear(hidden_dim, hidden_dim), nn.GELU()]
+def mlp(in_dim: int, hidden_dim: int, out_dim: int, n_hidden: int, use_bn: bool = False) -> nn.Sequential:
+    """Linear(in, h), GELU, [Linear(h, h), GELU] * n_hidden, Linear(h, out), with BatchNorm1d before each GELU if
+    `use_bn`: the projection head's and the labeller's MLPs (REFERENCE §2.2, §2.3)."""
+    layers: list[nn.Module] = []
+    for width in [in_dim] + [hidden_dim] * n_hidden:
+        layers.append(nn.Linear(width, hidden_dim))
+        if use_bn:
+            layers.append(nn.BatchNorm1d(hidden_dim))
+        layers.append(nn.GELU())
     layers.append(nn.Linear(hidden_dim, out_dim))
     return nn.Sequential(*layers)
 
@@ -194,8 +198,8 @@ class ProjectionHead(nn.Module):
 
     def __init__(self, in_dim: int, hidden_dim: int, bottleneck_dim: int, out_dim: int, n_layers: int = 3):
         super().__init__()
-        self.mlp = _mlp(in_dim, hidden_dim, bottleneck_dim, n_layers - 2)
-        self.mlp.apply(_trunc_normal_init)
+        self.mlp = mlp(in_dim, hidden_dim, bottleneck_dim, n_layers - 2)
+        self.mlp.apply(trunc_normal_init)
         self.last_layer = WeightNormLinear(bottleneck_dim, out_dim)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -208,10 +212,10 @@ class Labeller(nn.Module):
 
     def __init__(self, in_dim: int, code_length: int, n_classes: int, hidden_dim: int = 128, n_layers: int = 2):
         super().__init__()
-        self.coder = _mlp(in_dim, hidden_dim, code_length, n_layers)
-        self.masker = _mlp(in_dim, hidden_dim, code_length, n_layers)
-        self.categorizer = _mlp(code_length, hidden_dim, n_classes, n_layers)
-        self.apply(_trunc_normal_init)
+        self.coder = mlp(in_dim, hidden_dim, code_length, n_layers)
+        self.masker = mlp(in_dim, hidden_dim, code_length, n_layers)
+        self.categorizer = mlp(code_length, hidden_dim, n_classes, n_layers)
+        self.apply(trunc_normal_init)
         self.register_buffer("age", torch.tensor(20.0, dtype=torch.float64))
         self.register_buffer("code_weight", kernels.positional_weights(code_length, 2.0))
         self.register_buffer("length_weight", kernels.positional_weights(code_length, 2.0))

@@ -3,6 +3,9 @@
 `backend="auto"` runs the Triton kernels on CUDA tensors and the PyTorch reference elsewhere; `"triton"` and
 `"torch"` force one. The environment variable `INFOSIEVE_KERNELS=triton|torch` overrides every call, the compat
 layer included (with `TRITON_INTERPRET=1` that runs the Triton kernels on CPU tensors).
+
+Layout: `reference.py` (the PyTorch twins), `code_head_triton.py` and `contrastive_triton.py` (the fused kernels),
+`compat.py` (drop-in names for the original InfoSieve code).
 """
 
 from __future__ import annotations
@@ -45,11 +48,10 @@ def resolve_backend(backend: str, tensor: Tensor) -> str:
 
 
 def _impl(module: str, name: str, backend: str, tensor: Tensor):
+    """`name` from the reference, or from the Triton module `kernels.<module>_triton` (imported on first use)."""
     if resolve_backend(backend, tensor) == "torch":
         return getattr(reference, name)
-    # Importing the submodule `kernels.code_head` rebinds this package's `code_head` to it; that module is callable
-    # and forwards to the dispatch function below, so `kernels.code_head(...)` keeps working (see its last lines).
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return getattr(importlib.import_module(f"{__name__}.{module}_triton"), name)
 
 
 def code_head(

@@ -24,10 +24,12 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from . import code_head as _code_head  # the dispatch (or the callable Triton module forwarding to it)
+from infosieve_fast.model import mlp, trunc_normal_init
+
+from . import code_head as _code_head
 from . import info_nce_loss as _info_nce_loss
 from . import supcon_loss as _supcon_loss
-from .reference import ROW_SUM_EPS, length_loss, pairwise_distances
+from .reference import contrastive_logits, length_loss, supcon_anchor_terms
 
 __all__ = [
     "DINOLABELLING",
@@ -120,24 +122,19 @@ def _mask_as_ids(mask: Tensor) -> Tensor | None:
 
 
 def _supcon_torch(loss: SupConLoss, features: Tensor, mask: Tensor, is_code: bool) -> Tensor:
-    """The reference SupCon for any mask / contrast mode, with exact-zero self distances (the fallback path)."""
+    """The reference SupCon for any mask / contrast mode (the fallback path), on `kernels.reference`'s logits.
+
+    'one' mode anchors are the first `bsz` rows; every anchor counts in the mean, so one without a positive gives the
+    reference's NaN. With `is_code` every column is divided by its row's sum over all rows (in 'one' mode the
+    reference's broadcast fails there).
+    """
     bsz, n_views = features.shape[:2]
-    contrast = torch.cat(torch.unbind(features, dim=1), dim=0)
-    dist = pairwise_distances(contrast)  # [V*bsz, V*bsz]; 'one' mode anchors are its first bsz rows
     anchor_count = n_views if loss.contrast_mode == "all" else 1
-    dist = dist[: anchor_count * bsz]
-    if is_code:
-        dist = dist / (dist.sum(dim=1) + ROW_SUM_EPS)  # same broadcast as the reference
-    logits = -dist / loss.temperature
-    logits = logits - logits.max(dim=1, keepdim=True)[0].detach()
-    mask = mask.repeat(anchor_count, n_views)
-    self_column = torch.arange(anchor_count * bsz, device=features.device)
-    logits_mask = torch.ones_like(mask)
-    logits_mask[self_column, self_column] = 0
-    mask = mask * logits_mask
-    log_prob = logits - torch.log((torch.exp(logits) * logits_mask).sum(1, keepdim=True))
-    mean_log_prob_pos = (mask * log_prob).sum(1) / mask.sum(1)
-    return (-(loss.temperature / loss.base_temperature) * mean_log_prob_pos).view(anchor_count, bsz).mean()
+    contrast = torch.cat(torch.unbind(features, dim=1), dim=0)
+    logits = contrastive_logits(contrast, loss.temperature, is_code)[: anchor_count * bsz]
+    positives = mask.repeat(anchor_count, n_views).fill_diagonal_(0)
+    log_prob_pos, n_pos = supcon_anchor_terms(logits, positives)
+    return (-(loss.temperature / loss.base_temperature) * log_prob_pos / n_pos).view(anchor_count, bsz).mean()
 
 
 class HLoss(nn.Module):
@@ -180,26 +177,9 @@ class Norm0Loss(nn.Module):
         return (x > 0).float().mean()
 
 
-def _mlp(in_dim: int, hidden_dim: int, out_dim: int, nlayers: int, use_bn: bool) -> nn.Module:
-    """The reference labeller's MLP: in->hidden, `nlayers` hidden->hidden, hidden->out, GELU (and BN) between."""
-    if nlayers == 1:
-        return nn.Linear(in_dim, out_dim)
-    layers: list[nn.Module] = []
-    dims = [in_dim] + [hidden_dim] * (nlayers + 1)
-    for a, b in zip(dims[:-1], dims[1:], strict=True):
-        layers.append(nn.Linear(a, b))
-        if use_bn:
-            layers.append(nn.BatchNorm1d(b))
-        layers.append(nn.GELU())
-    layers.append(nn.Linear(hidden_dim, out_dim))
-    return nn.Sequential(*layers)
-
-
-def _init_linear(m: nn.Module) -> None:
-    if isinstance(m, nn.Linear):
-        nn.init.trunc_normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
+def _labeller_mlp(in_dim: int, hidden_dim: int, out_dim: int, nlayers: int, use_bn: bool) -> nn.Module:
+    """The reference labeller's MLP: one Linear for `nlayers=1`, else `mlp` with `nlayers` hidden->hidden layers."""
+    return nn.Linear(in_dim, out_dim) if nlayers == 1 else mlp(in_dim, hidden_dim, out_dim, nlayers, use_bn)
 
 
 class DINOLABELLING(nn.Module):
@@ -225,11 +205,11 @@ class DINOLABELLING(nn.Module):
     ):
         super().__init__()
         nlayers = max(nlayers, 1)
-        self.coder = _mlp(in_dim, hidden_dim, bottleneck_dim, nlayers, use_bn)
-        self.masker = _mlp(in_dim, hidden_dim, bottleneck_dim, nlayers, use_bn)
-        self.categorizer = _mlp(bottleneck_dim, hidden_dim, nclasses, nlayers, use_bn)
+        self.coder = _labeller_mlp(in_dim, hidden_dim, bottleneck_dim, nlayers, use_bn)
+        self.masker = _labeller_mlp(in_dim, hidden_dim, bottleneck_dim, nlayers, use_bn)
+        self.categorizer = _labeller_mlp(bottleneck_dim, hidden_dim, nclasses, nlayers, use_bn)
         for part in (self.coder, self.masker, self.categorizer):
-            part.apply(_init_linear)
+            part.apply(trunc_normal_init)
         self.bottleneck_dim = bottleneck_dim
         self.code_weight = code_weight
         self.age = age

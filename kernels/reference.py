@@ -114,17 +114,24 @@ def supcon_loss(
         )
     keep = labels >= 0
     x, y = features[keep], labels[keep]
-    n = x.shape[0]
-    logits = contrastive_logits(x, temperature, is_code)
-    eye = torch.eye(n, dtype=torch.bool, device=x.device)
-    log_prob = logits - torch.logsumexp(logits.masked_fill(eye, float("-inf")), dim=1, keepdim=True)
+    eye = torch.eye(x.shape[0], dtype=torch.bool, device=x.device)
     positives = (y[:, None] == y[None, :]) & ~eye
-    n_pos = positives.sum(1)
+    log_prob_pos, n_pos = supcon_anchor_terms(contrastive_logits(x, temperature, is_code), positives)
     has_pos = n_pos > 0
     if not bool(has_pos.any()):
         return features.sum() * 0.0
-    mean_log_prob_pos = (log_prob * positives).sum(1)[has_pos] / n_pos[has_pos]
-    return -(temperature / base_temperature) * mean_log_prob_pos.mean()
+    return -(temperature / base_temperature) * (log_prob_pos[has_pos] / n_pos[has_pos]).mean()
+
+
+def supcon_anchor_terms(logits: Tensor, positives: Tensor) -> tuple[Tensor, Tensor]:
+    """SupCon's per-anchor sums: sum_j w_ij log p_ij and sum_j w_ij for anchor rows i.
+
+    `logits` [A, N]: anchor i's own column is i, left out of the softmax p_i. `positives` [A, N]: the weights w (bool
+    or float, 0 on the own column). The anchor's term is their ratio (0 / 0 for an anchor without a positive).
+    """
+    own = torch.eye(*logits.shape, dtype=torch.bool, device=logits.device)
+    log_prob = logits - torch.logsumexp(logits.masked_fill(own, float("-inf")), dim=1, keepdim=True)
+    return (log_prob * positives).sum(1), positives.sum(1)
 
 
 def info_nce_and_supcon(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infosieve_fast.data.augment import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, BufferPool, DeviceAugment
+from infosieve_fast.data.augment import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DeviceAugment
+from infosieve_fast.data.pools import BufferPool
 
 
 def _images(b: int = 6, h: int = 40, w: int = 48) -> torch.Tensor:

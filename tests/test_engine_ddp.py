@@ -45,9 +45,10 @@ def _spy(calls: list, totals: list) -> None:
     cluster, loss_call = eng.Trainer.cluster, InfoSieveLoss.__call__
 
     def spy_cluster(self, fs, seed, balanced):
-        table, inertia = cluster(self, fs, seed, balanced)
-        calls.append({"fs": vars(fs), "seed": seed, "balanced": balanced, "table": table, "inertia": inertia})
-        return table, inertia
+        result = cluster(self, fs, seed, balanced)
+        calls.append({"fs": vars(fs), "seed": seed, "balanced": balanced, "table": result.labels,
+                      "inertia": result.inertia, "centers": result.centers})  # fmt: skip
+        return result
 
     def spy_loss(self, *args):
         total, parts = loss_call(self, *args)
@@ -100,7 +101,9 @@ def ddp(tmp_path_factory):
 def test_rank0_writes_the_run_folder_once(ddp):
     out, res = ddp
     run = out / "full"
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt", "config.yaml", "log.jsonl", "metrics.json"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoint.pt", "clustering.npz", "config.yaml", "log.jsonl", "metrics.json",
+    ]  # fmt: skip
     assert load_config(run / "config.yaml") == ddp_config()
     log = read_log(run / "log.jsonl")
     assert [r["epoch"] for r in log] == [0, 1]
@@ -130,6 +133,7 @@ def test_feature_shares_partition_the_train_set_and_tables_agree(ddp):
         assert sorted(uq.tolist()) == list(range(320)) and len(c0["fs"]["uq"]) == len(c1["fs"]["uq"]) == 160
         assert torch.equal(c0["fs"]["all_uq"], uq) and torch.equal(c1["fs"]["all_uq"], uq)
         assert torch.equal(c0["table"], c1["table"]) and c0["inertia"] == c1["inertia"]
+        assert torch.equal(c0["centers"], c1["centers"])
 
 
 def test_two_process_clustering_equals_one_process(ddp):

@@ -35,6 +35,7 @@ class GCDSource(Protocol):
     n_train: int  # samples in the train set (labelled + unlabelled); uq runs over 0..n_train-1
     n_old: int  # known classes
     n_classes: int  # known + novel classes
+    class_names: list[str]  # by target (known classes first)
 
     def feature_batches(self, batch_size: int) -> Iterator[Batch]:
         """Every train sample exactly once (on this rank), in a fixed order, for the per-epoch feature pass."""

@@ -45,6 +45,7 @@ class InMemoryGCD:
         self.images, self.targets, self.labelled = images, targets.long(), labelled.bool()
         self.n_train, self.n_old = len(images), n_old
         self.n_classes = int(self.targets.max()) + 1
+        self.class_names = [str(c) for c in range(self.n_classes)]  # target order (the digits' own names)
         self.labelled_share = labelled_share
         if (rank is None) != (world_size is None) or (rank is not None and not 0 <= rank < world_size):
             raise ValueError(f"rank and world_size go together, 0 <= rank < world_size: got {rank}, {world_size}")

@@ -43,9 +43,9 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from .. import distributed as dist
 from ..config import DataConfig
-from .augment import BufferPool, cpu_threads
 from .base import Batch
 from .decode import cap_aspect, capped_hw, decode_cpu, decode_gpu, pad_into
+from .pools import BufferPool, cpu_threads
 from .sampler import sample_epoch
 from .tar import ShardIndex, index_shards, open_mmap
 
@@ -216,6 +216,7 @@ class ShardSource:
         self.dataset = m["dataset"]
         self.size = int(m["resize"])
         self.n_old, self.n_classes = int(m["n_old"]), int(m["n_classes"])
+        self.class_names = list(m["classes"]["names"])  # target order
         info = m["splits"][split]
         self.records = info["shards"]
         self.urls = [str(self.dir / r["name"]) for r in self.records]

@@ -36,8 +36,6 @@ import math
 import numbers
 import os
 import struct
-import sys
-import types
 from contextlib import contextmanager
 
 import torch
@@ -611,20 +609,3 @@ def make_inputs(
     w = positional_weights(length, base, device=device)
     lw = positional_weights(length, length_base, device=device)
     return x, y, age, w, lw
-
-
-# `kernels/__init__.py` exports a dispatch function also named `code_head`; importing this submodule makes Python bind
-# the attribute `kernels.code_head` to the module, replacing that function. Keep `kernels.code_head(...)` working by
-# making this module callable: it forwards to the package's dispatch function captured before the rebinding.
-_package = sys.modules.get(__name__.rpartition(".")[0])
-_dispatch = getattr(_package, "code_head", None)
-if not callable(_dispatch) or isinstance(_dispatch, types.ModuleType):
-    _dispatch = code_head
-
-
-class _CallableModule(types.ModuleType):
-    def __call__(self, *args, **kwargs):
-        return _dispatch(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
