@@ -1,4 +1,4 @@
-"""`infosieve train | eval | tree | estimate-k | make-shards`."""
+"""`infosieve train | eval | tree | predict | estimate-k | report | make-shards`."""
 
 from __future__ import annotations
 
@@ -59,10 +59,16 @@ def _interruptible(run, run_dir: Path) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .engine import evaluate_run, print_table
+    from .engine import print_table, trainer_from_run
 
-    metrics = evaluate_run(args.run)
-    print_table({"checkpoint": metrics}, config_mod.load_config(Path(args.run) / "config.yaml").train.eval_protocol)
+    trainer = trainer_from_run(args.run)
+    if args.split == "test":
+        if trainer.centers is None:
+            raise ValueError(f"{args.run}'s checkpoint holds no k-means centres (it predates them): train it again")
+        metrics = trainer.evaluate_test(trainer.centers)
+    else:
+        metrics = trainer.evaluate()
+    print_table({f"checkpoint ({args.split})": metrics}, trainer.cfg.train.eval_protocol)
     return 0
 
 
@@ -76,6 +82,22 @@ def _tree(args: argparse.Namespace) -> int:
     write_json(out, tree)
     print(format_tree(tree))
     print(f"wrote {out}")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from .predict import predict
+
+    summary = predict(args.run, args.images, args.out, batch_size=args.batch_size, device=args.device)
+    print(f"wrote {summary['written']} predictions to {summary['out']} ({summary['skipped']} unreadable images "
+          f"skipped; {summary['clusters_used']} clusters used)")  # fmt: skip
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    print(f"wrote {write_report(args.run, depth=args.depth)}")
     return 0
 
 
@@ -125,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="recompute All/Old/New accuracy from a run's checkpoint")
     p.add_argument("--run", required=True, metavar="RUN_DIR")
+    p.add_argument("--split", choices=("train", "test"), default="train",
+                   help="train: SS-k-means of the unlabelled train samples (the reported metric); test: the held-out "
+                   "test split, each image to the nearest final centre")  # fmt: skip
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("tree", help="the implicit category tree of a run's learned codes")
@@ -132,6 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=6, help="deepest code prefix shown (default 6)")
     p.add_argument("--json", help="where to write the tree (default RUN_DIR/tree.json)")
     p.set_defaults(func=_tree)
+
+    p = sub.add_parser("predict", help="sort new images with a trained run (cluster, name, margin, code)")
+    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    p.add_argument("--images", required=True, metavar="PATH", help="an image folder, a list file or a shards folder")
+    p.add_argument("--out", required=True, metavar="FILE", help="FILE.jsonl or FILE.csv")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.set_defaults(func=_predict)
+
+    p = sub.add_parser("report", help="write RUN/report.html: losses, schedules, accuracy, confusion, the tree")
+    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    p.add_argument("--depth", type=int, default=4, help="depth of the tree picture (default 4)")
+    p.set_defaults(func=_report)
 
     p = sub.add_parser("estimate-k", help="estimate the number of categories (GCD's method) from a run or features")
     p.add_argument("--run", metavar="RUN_DIR", help="a run folder: its checkpoint's features of the train samples")

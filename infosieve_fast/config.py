@@ -125,6 +125,12 @@ class TrainConfig:
     frozen_bf16: bool = False  # the frozen ViT prefix stored and run in plain bf16 instead of under autocast
     compile: bool = False  # torch.compile the backbone blocks and the projection head (CUDA only; ~20 s to compile)
     checkpoint_blocks: bool = False  # recompute the trained ViT blocks' activations in backward (less memory)
+    # Logging. eval_every N > 0: All/Old/New of the unlabelled train samples (and of the test split, for shards) in
+    # log.jsonl every N epochs, as the published loop prints every epoch (0: only before and after training; each
+    # evaluation costs a test-view feature pass and a k-means round). tensorboard: the log's numbers as TensorBoard
+    # scalars in RUN/tensorboard (pip install tensorboard).
+    eval_every: int = 0
+    tensorboard: bool = False
 
 
 @dataclass
@@ -217,6 +223,7 @@ def from_dict(values: dict) -> Config:
     cfg = _build(Config, values, "")
     for key, value, low in (
         ("train.check_every", cfg.train.check_every, 1),
+        ("train.eval_every", cfg.train.eval_every, 0),
         ("schedule.epochs", cfg.schedule.epochs, 1),
         ("data.batch_size", cfg.data.batch_size, 2),
         ("data.feature_batch_size", cfg.data.feature_batch_size, 1),
@@ -227,6 +234,11 @@ def from_dict(values: dict) -> Config:
         raise ConfigError(f"data.gpu_cache_share must lie in (0, 1], got {cfg.data.gpu_cache_share}")
     if cfg.data.max_aspect is not None and cfg.data.max_aspect < 1.0:
         raise ConfigError(f"data.max_aspect must be >= 1 (or null: no cap), got {cfg.data.max_aspect}")
+    if cfg.train.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
     share = cfg.data.labelled_share
     if share is not None and not 0.0 <= share <= 1.0:
         raise ConfigError(f"data.labelled_share must lie in [0, 1] (or null for the reference's sampler), got {share}")

@@ -302,6 +302,38 @@ class Trainer:
         metrics = evaluate_split(y, clustering.labels[unl], y < self.source.n_old, self.cfg.train.eval_protocol)
         return Evaluation(metrics, clustering, targets, unl)
 
+    @torch.no_grad()
+    def evaluate_test(self, centers: Tensor) -> dict[str, float]:
+        """Inductive All/Old/New on the held-out test split (the published "Test ACC"): each test image goes to the
+        nearest of `centers` (a clustering of the train samples), scored with the run's protocol."""
+        if not hasattr(self.source, "test_batches"):
+            raise ValueError(
+                f"the data source ({type(self.source).__name__}) has no test split: the digits demo has none; train "
+                "from shards (make-shards writes the test split) to evaluate on it"
+            )
+        self.model.eval()
+        centers = centers.to(self.device).float()
+        preds, targets = [], []
+        for batch in self.source.test_batches(self.cfg.data.feature_batch_size):
+            batch = batch.to(self.device, non_blocking=True)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                f = self.model.features(self.augment.test_view(batch.images, batch.sizes))
+            preds.append(torch.cdist(f.float(), centers).argmin(1))
+            targets.append(batch.targets)
+        self.model.train()
+        y = dist.all_gather_cat(torch.cat(targets))[0]
+        p = dist.all_gather_cat(torch.cat(preds))[0]
+        return evaluate_split(y, p, y < self.source.n_old, self.cfg.train.eval_protocol)
+
+    def evaluate_epoch(self) -> dict:
+        """`train.eval_every`'s log entries: All/Old/New on the unlabelled train samples and, where the source has
+        one, on the test split (nearest centre of the train clustering)."""
+        ev = self.evaluate_full()
+        out = {"eval": ev.metrics}
+        if hasattr(self.source, "test_batches"):
+            out["eval_test"] = self.evaluate_test(ev.clustering.centers)
+        return out
+
     # ------------------------------------------------------------------------------------------------ training
     def train_epoch(self, epoch: int) -> dict:
         cfg = self.cfg
@@ -370,6 +402,7 @@ class Trainer:
             "torch_rng": ckpt.rng_state(),
             "centers": self.centers,
             "class_names": list(self.source.class_names),
+            "n_old": self.source.n_old,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -430,8 +463,14 @@ def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
             save_config(cfg, run_dir / "config.yaml")
         start, before = 0, trainer.evaluate()
         print_table({"before": before}, cfg.train.eval_protocol)
+    board = tensorboard_writer(run_dir, start) if cfg.train.tensorboard and main else None
     for epoch in range(start, cfg.schedule.epochs):
         record = trainer.train_epoch(epoch)
+        every = cfg.train.eval_every
+        if every and (epoch + 1) % every == 0:
+            record.update(trainer.evaluate_epoch())
+        if board is not None:
+            log_scalars(board, record)
         if main:
             write_unreadable(run_dir, trainer)
             ckpt.save_checkpoint(run_dir, trainer.state_dict(epoch + 1, before))
@@ -454,6 +493,25 @@ def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
     print_table({"before": before, "after": after}, cfg.train.eval_protocol)
     dist.barrier()
     return metrics
+
+
+def tensorboard_writer(run_dir: Path, start_epoch: int):
+    """`train.tensorboard`: a SummaryWriter on RUN/tensorboard; a resumed run drops the events after its checkpoint."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_epoch + 1)
+
+
+def log_scalars(board, record: dict) -> None:
+    """Every number of an epoch's log record as a scalar at step epoch + 1 (eval dicts as eval/all, ...)."""
+    step = record["epoch"] + 1
+    for key, value in record.items():
+        if isinstance(value, dict):
+            for part, v in value.items():
+                board.add_scalar(f"{key}/{part}", v, step)
+        elif key != "epoch" and isinstance(value, int | float):
+            board.add_scalar(key, value, step)
+    board.flush()
 
 
 def write_clustering(run_dir: Path, final: Evaluation, n_old: int) -> None:
@@ -481,14 +539,12 @@ def trainer_from_run(run_dir: str | Path) -> Trainer:
     from .config import from_dict
 
     state = ckpt.load_checkpoint(run_dir)
-    trainer = Trainer(from_dict(state["config"]))
+    cfg = from_dict(state["config"])
+    cfg.model.pretrained = None  # the checkpoint holds every weight; the backbone file may have moved since
+    trainer = Trainer(cfg)
     trainer.model.load_state_dict(state["model"])
+    trainer.centers = state.get("centers")
     return trainer
-
-
-def evaluate_run(run_dir: str | Path) -> dict[str, float]:
-    """Recompute All/Old/New from a run folder's checkpoint (`infosieve eval --run RUN_DIR`)."""
-    return trainer_from_run(run_dir).evaluate()
 
 
 def code_tree(run_dir: str | Path, max_depth: int = 8) -> dict:

@@ -177,7 +177,7 @@ def test_resume_and_single_process_eval_of_a_ddp_run(ddp):
         assert {k: v for k, v in a.items() if not k.startswith("seconds")} == {
             k: v for k, v in b.items() if not k.startswith("seconds")
         }
-    assert eng.evaluate_run(out / "full") == res[0]["full"]["after"]
+    assert eng.trainer_from_run(out / "full").evaluate() == res[0]["full"]["after"]
     assert cli.main(["eval", "--run", str(out / "full")]) == 0
 
 

@@ -77,12 +77,13 @@ def _decode_one_gpu(encoded: Tensor, device: torch.device) -> Tensor | None:
 
 
 def pad_into(images: list[Tensor], out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Images [3, h_i, w_i] -> (canvas uint8 [B, 3, max h, max w], sizes long [B, 2]); the canvas is `out` when given
+    """Images [C, h_i, w_i] -> (canvas uint8 [B, C, max h, max w], sizes long [B, 2]); the canvas is `out` when given
     (its shape must fit). Pixels outside an image's size are zero and never read by the augmentation."""
     sizes = torch.tensor([tuple(img.shape[-2:]) for img in images], dtype=torch.long).reshape(-1, 2)
     hm, wm = (int(v) for v in sizes.max(0).values) if len(images) else (0, 0)
     if out is None:
-        out = torch.empty(len(images), 3, hm, wm, dtype=torch.uint8, device=images[0].device if images else "cpu")
+        ch, dev = (images[0].shape[0], images[0].device) if images else (3, "cpu")
+        out = torch.empty(len(images), ch, hm, wm, dtype=torch.uint8, device=dev)
     uniform = bool((sizes == sizes[:1]).all())
     if not uniform:
         out.zero_()

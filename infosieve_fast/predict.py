@@ -1,0 +1,187 @@
+"""`infosieve predict --run RUN --images PATH --out FILE`: sort new images with a trained run.
+
+Each image goes through the reference's test transform: resize to shorter side `int(crop / 0.875)` (256 for 224),
+centre crop, normalise. Its L2-normalised backbone feature then goes to the nearest of the run's final SS-k-means
+centres. The run folder's checkpoint holds those centres and the class names. Clusters 0..n_old-1 are the known
+classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k is named `novel-<k>`.
+
+`PATH` can be one of:
+- an image folder, searched recursively;
+- a text file listing image paths, one per line, relative to the file's folder;
+- a `make-shards` folder, whose samples are named `shard.tar/key`.
+
+Output: JSON lines or CSV, chosen by the extension of `FILE`. Each image gets its path, cluster, name, margin,
+code, prefix and tree_path:
+- margin: the Euclidean distance to the second-nearest centre minus that to the nearest;
+- code: the L sign bits;
+- prefix: the code cut at the first bit the mask switches off;
+- tree_path: the prefix's nodes in the implicit category tree, from depth 1 down to the prefix.
+
+Images that cannot be read are reported and skipped.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from . import checkpoint as ckpt
+from .config import from_dict
+from .data.augment import AugmentConfig, DeviceAugment
+from .data.decode import decode_cpu, pad_into
+from .data.tar import tar_samples
+from .engine import resolve_device
+from .model import InfoSieve
+from .tree import code_strings
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+OUTPUT_SUFFIXES = (".jsonl", ".csv")
+FIELDS = ("path", "cluster", "name", "margin", "code", "prefix", "tree_path")
+
+
+def model_from_run(run_dir: str | Path, device: torch.device) -> tuple[InfoSieve, dict]:
+    """The run's model with its checkpoint's weights (the backbone is built without `model.pretrained`: the weights
+    come from the checkpoint), in eval mode, and the checkpoint."""
+    state = ckpt.load_checkpoint(run_dir)
+    cfg = from_dict(state["config"])
+    cfg.model.pretrained = None
+    model = InfoSieve(cfg.model, state["n_old"])
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), state
+
+
+def image_items(path: str | Path) -> list[tuple[str, object]]:
+    """(name, source) of every image under `path`: a folder, a list file or a shards folder (see the module doc)."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return [(f"{tar.name}/{s['__key__']}", (str(tar), s["__key__"])) for tar in sorted(path.glob("*.tar"))
+                for s in tar_samples(str(tar))]  # fmt: skip
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        return [(str(p), p) for p in files]
+    if path.is_file():
+        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        return [(line, path.parent / line) for line in lines]
+    raise FileNotFoundError(f"--images {path} is neither an image folder, a list file nor a shards folder")
+
+
+def _load(source: object, shorter: int, channels: int) -> Tensor:
+    """uint8 [C, H, W] resized to the given shorter side (bicubic, antialiased, as make-shards and the reference)."""
+    from PIL import Image
+
+    from .data.shards import resize_image
+
+    if isinstance(source, tuple):  # a shard sample: (tar path, key)
+        tar, key = source
+        sample = next(s for s in tar_samples(tar) if s["__key__"] == key)
+        data = sample.get("jpg", sample.get("png"))
+        img = decode_cpu(data)
+        im = Image.fromarray(img.permute(1, 2, 0).numpy())
+    else:
+        with Image.open(source) as im:
+            im = im.convert("RGB")
+    im = resize_image(im, shorter)
+    if channels == 1:
+        im = im.convert("L")
+    arr = np.asarray(im)
+    arr = arr[:, :, None] if arr.ndim == 2 else arr
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+
+
+def _batches(items: list, batch_size: int, shorter: int, channels: int) -> Iterator[tuple[list[str], list[Tensor]]]:
+    with ThreadPoolExecutor(4) as pool:
+
+        def load(item):
+            try:
+                return _load(item[1], shorter, channels)
+            except Exception as exn:  # unreadable: reported and skipped
+                print(f"infosieve predict: WARNING: skipped {item[0]}: {type(exn).__name__}: {exn}", file=sys.stderr)
+                return None
+
+        for start in range(0, len(items), batch_size):
+            chunk = items[start : start + batch_size]
+            images = list(pool.map(load, chunk))
+            yield (
+                [name for (name, _), img in zip(chunk, images, strict=True) if img is not None],
+                [img for img in images if img is not None],
+            )
+
+
+@torch.no_grad()
+def predict(run_dir: str | Path, images: str | Path, out: str | Path, batch_size: int = 64,
+            device: str = "auto", progress: bool = True) -> dict:  # fmt: skip
+    """Write one record per readable image of `images` to `out` (.jsonl or .csv); returns a summary."""
+    out = Path(out)
+    if out.suffix.lower() not in OUTPUT_SUFFIXES:
+        raise ValueError(f"--out {out} must end in .jsonl or .csv (the output format)")
+    dev = resolve_device(device)
+    model, state = model_from_run(run_dir, dev)
+    if state.get("centers") is None:
+        raise ValueError(f"{run_dir}'s checkpoint holds no k-means centres: it predates them; train it again")
+    centers = state["centers"].to(dev).float()
+    names = state.get("class_names") or []
+    n_old = model.labeller.categorizer[-1].out_features
+    cfg = from_dict(state["config"])
+    d = cfg.data
+    augment = DeviceAugment(AugmentConfig(d.crop_size, False, tuple(d.mean), tuple(d.std)))
+    shorter = int(d.crop_size / 0.875)  # the reference: Resize(int(224 / 0.875)) = 256, then CenterCrop(224)
+    channels = int(cfg.model.backbone_kwargs.get("in_chans", 3))
+    items = image_items(images)
+    amp = dev.type == "cuda"
+    records, counts = [], np.zeros(len(centers), np.int64)
+    bar = tqdm(total=len(items), desc="predict", unit="img", disable=not progress)
+    for paths, imgs in _batches(items, batch_size, shorter, channels):
+        bar.update(batch_size)
+        if not imgs:
+            continue
+        canvas, sizes = pad_into(imgs)
+        uniform = bool((sizes == sizes[:1]).all())
+        x = augment.test_view(canvas.to(dev), None if uniform else sizes.to(dev))
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            out_ = model(x)
+        feats = torch.nn.functional.normalize(out_.backbone.float(), dim=-1)
+        dist = torch.cdist(feats, centers)
+        two = dist.topk(min(2, len(centers)), dim=1, largest=False)
+        cluster = two.indices[:, 0].cpu().tolist()
+        margin = (two.values[:, -1] - two.values[:, 0]).cpu().tolist()
+        raw, mask = out_.head.code_raw.float(), out_.head.mask.float()
+        codes = code_strings(raw, torch.ones_like(mask))
+        prefixes = code_strings(raw, mask)
+        for p, c, m, code, prefix in zip(paths, cluster, margin, codes, prefixes, strict=True):
+            counts[c] += 1
+            name = names[c] if c < n_old and c < len(names) else f"novel-{c}"
+            path = [prefix[: i + 1] for i in range(len(prefix))]
+            records.append({"path": p, "cluster": c, "name": name, "margin": round(m, 6), "code": code,
+                            "prefix": prefix, "tree_path": path})  # fmt: skip
+    bar.close()
+    _write(out, records)
+    return {"images": len(items), "written": len(records), "skipped": len(items) - len(records), "out": str(out),
+            "clusters_used": int((counts > 0).sum())}  # fmt: skip
+
+
+def _write(out: Path, records: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix.lower() == ".jsonl":
+        ckpt.atomic_write(out, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
+        return
+    rows = [{**r, "tree_path": "/".join(r["tree_path"])} for r in records]
+
+    def write(f) -> None:
+        import io
+
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+        f.write(text.getvalue().encode())
+
+    ckpt.atomic_write(out, write)

@@ -1,0 +1,101 @@
+"""After training: `predict` sorts image files with the run's final centres, `report` renders the run as HTML."""
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from infosieve_fast import cli
+from infosieve_fast.config import load_config
+from infosieve_fast.data import digits
+from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.engine import train
+from infosieve_fast.predict import model_from_run
+from tests.test_engine import SMOKE
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished 2-epoch demo run and the first 64 of its train images written as PNG files (+ one broken file)."""
+    base = tmp_path_factory.mktemp("predict")
+    cfg = load_config("configs/demo.yaml", [*SMOKE, "train.device=cpu"])
+    train(cfg, base / "run")
+    source = digits(cfg.data.known_classes, cfg.data.labelled_prop, cfg.data.split_seed, cfg.data.image_size)
+    images = base / "images" / "sub"
+    images.mkdir(parents=True)
+    for uq in range(64):
+        Image.fromarray(source.images[uq, 0].numpy()).save(images / f"{uq:04d}.png")
+    (images / "zz_broken.png").write_bytes(b"not an image")
+    return base, cfg, source
+
+
+def test_predictions_are_the_nearest_final_centres(run, capsys):
+    base, cfg, source = run
+    out = base / "pred.jsonl"
+    assert cli.main(["predict", "--run", str(base / "run"), "--images", str(base / "images"), "--out", str(out),
+                     "--device", "cpu"]) == 0  # fmt: skip
+    assert "64 predictions" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["path"].rsplit("/", 1)[1] for r in records] == [f"{uq:04d}.png" for uq in range(64)]
+    # independently: the checkpoint's model on the same 36x36 images, centre crop 32, nearest centre
+    model, state = model_from_run(base / "run", torch.device("cpu"))
+    aug = DeviceAugment(AugmentConfig(cfg.data.crop_size, False, tuple(cfg.data.mean), tuple(cfg.data.std)))
+    with torch.no_grad():
+        feats = model.features(aug.test_view(source.images[:64]))
+    dist = torch.cdist(feats, state["centers"])
+    nearest = dist.argmin(1)
+    assert [r["cluster"] for r in records] == nearest.tolist()
+    top2 = dist.topk(2, largest=False).values
+    np.testing.assert_allclose([r["margin"] for r in records], (top2[:, 1] - top2[:, 0]).numpy(), atol=1e-4)
+    for r in records:
+        want = state["class_names"][r["cluster"]] if r["cluster"] < state["n_old"] else f"novel-{r['cluster']}"
+        assert r["name"] == want and len(r["code"]) == cfg.model.code_length
+        assert r["code"].startswith(r["prefix"]) and r["tree_path"] == [r["prefix"][: i + 1] for i in
+                                                                        range(len(r["prefix"]))]  # fmt: skip
+    # the final clustering (clustering.npz) scored these same features: most unlabelled ones agree
+    with np.load(base / "run" / "clustering.npz") as z:
+        final = dict(zip(z["uq"].tolist(), z["preds"].tolist(), strict=True))
+    agree = [final[uq] == nearest[uq].item() for uq in range(64) if uq in final]
+    assert len(agree) > 20 and np.mean(agree) >= 0.9
+
+
+def test_csv_output_and_a_list_file(run, capsys):
+    base, _, _ = run
+    listing = base / "images" / "list.txt"
+    listing.write_text("sub/0003.png\nsub/0001.png\nsub/zz_broken.png\n")
+    out = base / "pred.csv"
+    assert cli.main(["predict", "--run", str(base / "run"), "--images", str(listing), "--out", str(out)]) == 0
+    text = capsys.readouterr()
+    assert "zz_broken.png" in text.err and "1 unreadable images skipped" in text.out
+    rows = out.read_text().splitlines()
+    assert rows[0] == "path,cluster,name,margin,code,prefix,tree_path" and len(rows) == 3
+    assert rows[1].startswith("sub/0003.png,") and rows[2].startswith("sub/0001.png,")
+    assert cli.main(["predict", "--run", str(base / "run"), "--images", str(listing), "--out", "x.txt"]) == 2
+
+
+def test_report_shows_every_plot_in_a_browser(run, tmp_path):
+    base, _, _ = run
+    report_run = tmp_path / "run"
+    shutil.copytree(base / "run", report_run)
+    assert cli.main(["tree", "--run", str(report_run), "--depth", "4"]) == 0
+    assert cli.main(["report", "--run", str(report_run)]) == 0
+    page = (report_run / "report.html").read_text()
+    pngs = sorted(p.name for p in (report_run / "report").glob("*.png"))
+    assert pngs == ["accuracy.png", "confusion.png", "losses.png", "schedules.png", "tree.png"]
+    assert page.count("data:image/png;base64,") == 5 and "<td>after</td>" in page
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no headless chromium here (apt-get install chromium)")
+    shot = tmp_path / "shot.png"
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={shot}",
+           "--window-size=1300,4200", (report_run / "report.html").as_uri()]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    pixels = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    rows_with_ink = (np.abs(pixels - 255).sum(-1) > 60).any(1)
+    assert rows_with_ink.mean() > 0.5  # the plots fill the page, not a blank or broken-image page
+    colourful = (pixels.max(-1) - pixels.min(-1) > 80).mean()
+    assert colourful > 0.01  # the coloured curves, the confusion matrix and the tree's nodes are drawn
