@@ -81,6 +81,9 @@ class KMeansConfig:
     # nearest-centre GEMM: "fp32" exact (published) | "tf32" / "bf16": faster on GPUs; rows within the GEMM's error
     # bound of a tie are re-searched exactly, so every nearest centre is fp32's (docs/kmeans.md)
     distance_precision: str = "fp32"
+    # clusters: null = the dataset's number of classes (the published runs) | an integer | "auto": estimated from
+    # the backbone features before training (GCD's method, `infosieve estimate-k`), then kept for the whole run
+    n_clusters: int | str | None = None
 
 
 @dataclass
@@ -198,6 +201,11 @@ def _coerce(value: Any, hint, key: str):
         if optional:
             return None
         raise ConfigError(f"{key} may not be null")
+    kinds = [a for a in args if a is not type(None)]
+    if len(kinds) > 1:  # a union such as int | str: the value keeps its own type, which must be one of them
+        if any(isinstance(value, k) and not (k is int and isinstance(value, bool)) for k in kinds):
+            return value
+        raise ConfigError(f"{key} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if base is float and isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
@@ -230,6 +238,9 @@ def from_dict(values: dict) -> Config:
     ):
         if value < low:
             raise ConfigError(f"{key} must be >= {low}, got {value}: set --set {key}=<a value >= {low}>")
+    k = cfg.kmeans.n_clusters
+    if k is not None and k != "auto" and not (isinstance(k, int) and k >= 2):
+        raise ConfigError(f"kmeans.n_clusters must be null, an integer >= 2 or auto, got {k!r}")
     if not 0.0 < cfg.data.gpu_cache_share <= 1.0:
         raise ConfigError(f"data.gpu_cache_share must lie in (0, 1], got {cfg.data.gpu_cache_share}")
     if cfg.data.max_aspect is not None and cfg.data.max_aspect < 1.0:

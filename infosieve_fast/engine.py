@@ -210,6 +210,7 @@ class Trainer:
         self.unreadable: list[int] = []  # uq of the train samples no rank could read (found by the feature passes)
         # the latest SS-k-means centres [K, D] (CPU): the epoch's pseudo-label round, then the final evaluation's
         self.centers: Tensor | None = None
+        self.n_clusters: int | None = None  # K, resolved by `clusters` on the first round (kept in checkpoints)
         if dist.get_world_size() > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
@@ -270,13 +271,34 @@ class Trainer:
         table[fs.all_uq] = gathered
         return table
 
+    def clusters(self, fs: FeatureSet) -> int:
+        """K of every SS-k-means round: `kmeans.n_clusters`, the dataset's classes when null; "auto" is estimated once,
+        from the first features clustered (the test-view features before training), on every rank alike."""
+        if self.n_clusters is None:
+            k = self.cfg.kmeans.n_clusters
+            if k is None:
+                self.n_clusters = self.source.n_classes
+            elif k == "auto":
+                from .estimate_k import estimate_k
+
+                feats, targets, labelled = (
+                    dist.all_gather_cat(t)[0].cpu() for t in (fs.feats, fs.targets, fs.labelled)
+                )
+                self.n_clusters = estimate_k(feats.numpy(), targets.numpy(), labelled.numpy(), self.source.n_old)["k"]
+                if dist.is_main_process():
+                    print(f"kmeans.n_clusters=auto: estimated K = {self.n_clusters} (the dataset has "
+                          f"{self.source.n_classes} classes)")  # fmt: skip
+            else:
+                self.n_clusters = int(k)
+        return self.n_clusters
+
     def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Clustering:
         """SS-k-means cluster id of every train sample, indexed by uq (complete on every rank), the inertia and the
         centres."""
         k = self.cfg.kmeans
         lab = fs.labelled
         result = semi_supervised_kmeans(
-            fs.feats[~lab], fs.feats[lab], fs.targets[lab], self.source.n_classes,
+            fs.feats[~lab], fs.feats[lab], fs.targets[lab], self.clusters(fs),
             n_init=k.n_init, max_iter=k.max_iter, tol=k.tol, balanced=balanced, balance=k.balance,
             seed=seed, backend=k.backend, distance_precision=k.distance_precision,
         )  # fmt: skip
@@ -403,6 +425,7 @@ class Trainer:
             "centers": self.centers,
             "class_names": list(self.source.class_names),
             "n_old": self.source.n_old,
+            "n_clusters": self.n_clusters,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -410,6 +433,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         ckpt.restore_rng_state(state["torch_rng"])
         self.centers = state.get("centers")
+        self.n_clusters = state.get("n_clusters")
 
 
 def print_table(metrics: dict[str, dict[str, float]], protocol: str) -> None:
@@ -544,6 +568,7 @@ def trainer_from_run(run_dir: str | Path) -> Trainer:
     trainer = Trainer(cfg)
     trainer.model.load_state_dict(state["model"])
     trainer.centers = state.get("centers")
+    trainer.n_clusters = state.get("n_clusters")
     return trainer
 
 

@@ -1,0 +1,37 @@
+"""kmeans.n_clusters: the dataset's classes by default, a given K, or K estimated before training ("auto")."""
+
+import pytest
+
+from infosieve_fast.checkpoint import load_checkpoint
+from infosieve_fast.config import ConfigError, load_config
+from infosieve_fast.engine import Trainer, train
+from infosieve_fast.estimate_k import estimate_k
+from tests.test_engine import SMOKE
+
+
+def _cfg(*extra):
+    return load_config("configs/demo.yaml", [*SMOKE, "schedule.epochs=1", "train.device=cpu", *extra])
+
+
+def test_auto_estimates_k_once_before_training_and_keeps_it(tmp_path):
+    cfg = _cfg("kmeans.n_clusters=auto")
+    train(cfg, tmp_path / "run")
+    state = load_checkpoint(tmp_path / "run")
+    fresh = Trainer(_cfg())  # the same seed: the same initial backbone
+    fs = fresh.extract_features("test")
+    want = estimate_k(fs.feats.numpy(), fs.targets.numpy(), fs.labelled.numpy(), fresh.source.n_old)["k"]
+    assert state["n_clusters"] == want and len(state["centers"]) == want
+
+
+def test_a_given_k_is_used_for_every_round(tmp_path):
+    train(_cfg("kmeans.n_clusters=14"), tmp_path / "run")
+    state = load_checkpoint(tmp_path / "run")
+    assert state["n_clusters"] == 14 and state["centers"].shape[0] == 14
+    default = Trainer(_cfg())
+    assert default.clusters(default.extract_features("test")) == 10  # the digits
+
+
+@pytest.mark.parametrize("bad", ["'12'", "1", "true", "many"])
+def test_bad_values_are_refused_at_load(bad):
+    with pytest.raises(ConfigError, match="kmeans.n_clusters"):
+        _cfg(f"kmeans.n_clusters={bad}")
