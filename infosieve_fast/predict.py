@@ -97,23 +97,22 @@ def _load(source: object, shorter: int, channels: int) -> Tensor:
     return torch.from_numpy(arr.copy()).permute(2, 0, 1)
 
 
-def _batches(items: list, batch_size: int, shorter: int, channels: int) -> Iterator[tuple[list[str], list[Tensor]]]:
+def _batches(items: list, batch_size: int, shorter: int, channels: int) -> Iterator[tuple[int, list[str], list]]:
+    """(images tried, names, images) per batch of `items`; an unreadable image is reported and left out."""
+
+    def load(item):
+        try:
+            return _load(item[1], shorter, channels)
+        except Exception as exn:
+            print(f"infosieve predict: WARNING: skipped {item[0]}: {type(exn).__name__}: {exn}", file=sys.stderr)
+            return None
+
     with ThreadPoolExecutor(4) as pool:
-
-        def load(item):
-            try:
-                return _load(item[1], shorter, channels)
-            except Exception as exn:  # unreadable: reported and skipped
-                print(f"infosieve predict: WARNING: skipped {item[0]}: {type(exn).__name__}: {exn}", file=sys.stderr)
-                return None
-
         for start in range(0, len(items), batch_size):
             chunk = items[start : start + batch_size]
             images = list(pool.map(load, chunk))
-            yield (
-                [name for (name, _), img in zip(chunk, images, strict=True) if img is not None],
-                [img for img in images if img is not None],
-            )
+            kept = [(name, img) for (name, _), img in zip(chunk, images, strict=True) if img is not None]
+            yield len(chunk), [name for name, _ in kept], [img for _, img in kept]
 
 
 @torch.no_grad()
@@ -139,8 +138,8 @@ def predict(run_dir: str | Path, images: str | Path, out: str | Path, batch_size
     amp = dev.type == "cuda"
     records, counts = [], np.zeros(len(centers), np.int64)
     bar = tqdm(total=len(items), desc="predict", unit="img", disable=not progress)
-    for paths, imgs in _batches(items, batch_size, shorter, channels):
-        bar.update(batch_size)
+    for tried, paths, imgs in _batches(items, batch_size, shorter, channels):
+        bar.update(tried)
         if not imgs:
             continue
         canvas, sizes = pad_into(imgs)
