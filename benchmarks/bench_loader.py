@@ -12,12 +12,12 @@ A *view* is one augmented 224x224 image delivered as part of a normalised float3
 - reference_stacked (reported for comparison; it is what this script measured before): the same transforms, the two
   views stacked per sample in the worker, the batch flattened to [2B, ...] without a copy; its rows are sample-major
   (image 0 view 0, image 0 view 1, ...), not the reference's view-major order, and it skips the `torch.cat`.
-- stream: `ShardSource` streaming (threshold 0) with `--workers` decode workers; `DeviceAugment` makes the two views
+- stream: `ShardSource` streaming (`cache="off"`) with `--workers` decode workers; `DeviceAugment` makes the two views
   from each decoded uint8 batch in the main process (here on the CPU: "the device").
 - memory: `ShardSource` in memory (decoded once, time reported apart as `memory_decode_s`), same augmentation.
 Each pipeline runs `--warmup` batches untimed, then `--batches` timed ones, from a fresh loader (epoch 0) each time;
 with the defaults (3 + 50 batches of 128 over cub100's 5,902 images: 46 batches an epoch) every timed run crosses one
-epoch boundary, so the streaming path's per-epoch restart (new workers, shuffle buffer fill) is paid as in training.
+epoch boundary, so the streaming path's per-epoch restart (new DataLoader workers) is paid as in training.
 The three run in turn, `--repeats` rounds (the machine may be shared: interleaving spreads any outside load over all
 three); the result is each pipeline's median views/s over the rounds, the ratios are of the medians, and every
 round's numbers are listed under `rounds`. Threads of the main process (`torch.set_num_threads`): `--threads` (1) for
@@ -124,7 +124,7 @@ def bench_shards(src: ShardSource, args, threads: int) -> float:
             epoch += 1
 
     def views_of(batch) -> int:
-        views = aug.train_views(batch.images, 2, gen)
+        views = aug.train_views(batch.images, 2, gen, batch.sizes)
         assert views.dtype == torch.float32 and views.shape[-1] == 224
         return views.shape[0]
 
@@ -154,8 +154,8 @@ def main() -> None:
     t0 = time.perf_counter()
     make_shards("cubfiles", data, shards, workers=args.workers, progress=False)
     make_s = time.perf_counter() - t0
-    stream_src = ShardSource(shards, memory_threshold_mb=0, num_workers=args.workers)
-    memory_src = ShardSource(shards, memory_threshold_mb=1e12, num_workers=args.workers)
+    stream_src = ShardSource(shards, cache="off", num_workers=args.workers)
+    memory_src = ShardSource(shards, cache="cpu", num_workers=args.workers)
     t0 = time.perf_counter()
     memory_src.load()
     decode_s = time.perf_counter() - t0
