@@ -11,12 +11,19 @@ from . import config as config_mod
 from .data import shards
 
 
+class UsageError(ValueError):
+    """A command line that cannot work: printed as `error: ...`, exit status 2."""
+
+
 def _train(args: argparse.Namespace) -> int:
     from .engine import train
 
+    overrides = list(args.set)
+    if args.data_shards:
+        overrides.append(f"data.shards={args.data_shards}")
     if args.resume:
         if args.config or args.out:
-            raise SystemExit("--resume RUN_DIR continues a run with its own config.yaml: drop --config/--out")
+            raise UsageError("--resume RUN_DIR continues a run with its own config.yaml: drop --config/--out")
         run_dir = Path(args.resume)
         cfg_path = run_dir / "config.yaml"
         if not cfg_path.is_file():
@@ -24,17 +31,16 @@ def _train(args: argparse.Namespace) -> int:
                 f"--resume {run_dir}: no config.yaml there; pass the run folder an `infosieve train` run wrote "
                 "(it printed `run folder: ...`; by default runs/<config>-<timestamp>)"
             )
-        if args.set:
-            raise SystemExit("--set cannot change a resumed run (its schedule must stay the same): start a new run")
-        cfg = config_mod.load_config(cfg_path)
-        _interruptible(lambda: train(cfg, run_dir, resume=True), run_dir)
+        # --set on resume changes the run on purpose: recorded in RUN/resumes.jsonl and config.yaml
+        cfg = config_mod.load_config(cfg_path, overrides)
+        _interruptible(lambda: train(cfg, run_dir, resume=True, overrides=overrides), run_dir)
         return 0
     if not args.config:
-        raise SystemExit("train needs --config FILE (see configs/) or --resume RUN_DIR")
-    overrides = list(args.set)
-    if args.data_shards:
-        overrides.append(f"data.shards={args.data_shards}")
+        raise UsageError("train needs --config FILE (see configs/) or --resume RUN_DIR")
     cfg = config_mod.load_config(args.config, overrides)
+    from .engine import resolve_device
+
+    resolve_device(cfg.train.device)  # a device this machine lacks is refused before anything else
     from . import distributed
     from .engine import wants_cuda
 
@@ -52,10 +58,12 @@ def _interruptible(run, run_dir: Path) -> None:
     try:
         run()
     except KeyboardInterrupt:
-        raise SystemExit(
-            f"interrupted: the last finished epoch's checkpoint is in {run_dir}; continue with "
-            f"`infosieve train --resume {run_dir}`"
-        ) from None
+        print(
+            f"\ninterrupted: the last finished epoch's checkpoint is in {run_dir}; continue with "
+            f"`infosieve train --resume {run_dir}`",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None  # the shell's status for a run ended by Ctrl-C
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -69,11 +77,16 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         metrics = trainer.evaluate()
     print_table({f"checkpoint ({args.split})": metrics}, trainer.cfg.train.eval_protocol)
+    if args.split == "train":  # what the codes hold, on the same unlabelled samples
+        from .code_metrics import evaluate_codes, format_code_measures
+
+        print(format_code_measures(evaluate_codes(trainer)))
     return 0
 
 
 def _tree(args: argparse.Namespace) -> int:
     from .checkpoint import write_json
+    from .code_metrics import format_code_measures
     from .engine import code_tree
     from .tree import format_tree
 
@@ -81,6 +94,7 @@ def _tree(args: argparse.Namespace) -> int:
     out = Path(args.json) if args.json else Path(args.run) / "tree.json"
     write_json(out, tree)
     print(format_tree(tree))
+    print(format_code_measures(tree["measures"]))
     print(f"wrote {out}")
     return 0
 
@@ -107,10 +121,10 @@ def _estimate_k(args: argparse.Namespace) -> int:
     from .estimate_k import estimate_k, load_features
 
     if bool(args.run) == bool(args.features):
-        raise SystemExit("estimate-k needs exactly one of --run RUN_DIR or --features FILE.npz")
+        raise UsageError("estimate-k needs exactly one of --run RUN_DIR or --features FILE.npz")
     if args.features:
         if args.known_classes is None:
-            raise SystemExit("--features needs --known-classes C (classes 0..C-1 are known, half of them labelled)")
+            raise UsageError("--features needs --known-classes C (classes 0..C-1 are known, half of them labelled)")
         feats, targets, labelled = load_features(args.features, args.known_classes)
         n_old = args.known_classes
     else:
@@ -139,10 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train InfoSieve (or resume a run)")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. optim.lr=0.05")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override, e.g. optim.lr=0.05 (on --resume: a recorded change)")  # fmt: skip
     p.add_argument("--data.shards", dest="data_shards", help="shard folder (same as --set data.shards=DIR)")
     p.add_argument("--out", help="run folder (default runs/<config>-<timestamp>)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a run from its last checkpoint (from scratch if it has none yet)")  # fmt: skip
     p.set_defaults(func=_train)
 
     p = sub.add_parser("eval", help="recompute All/Old/New accuracy from a run's checkpoint")

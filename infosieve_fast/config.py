@@ -7,6 +7,7 @@ Unknown keys are rejected with their full dotted name.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,20 @@ class LossConfig:
     sup_code_input: str = "code"  # "code": untruncated weighted code (reference) | "trunc_code": as the paper says
     code_constraint: str = "reference"  # "reference": mean(1-z^2) + bit balance | "paper": mean(z01^2 (1-z01)^2)
     categorizer_loss: str = "bce"  # "bce": BCEWithLogits on one-hot (reference) | "ce": softmax cross-entropy
+    # Code-learning switches (docs/tree.md); the defaults are the reference's behaviour. The reference divides each
+    # code distance by its row sum, so every code logit is O(1/2B) and both code terms sit at chance.
+    code_distance: str = "rowsum"  # "rowsum": -d_ij / sum_k d_jk (reference) | "euclidean": -d_ij, as the features
+    code_temperature: float | None = None  # the code InfoNCE's T (null: `temperature`)
+    code_supcon_temperature: float | None = None  # the code SupCon's tau (null: `supcon_temperature`)
+    code_label_smoothing: float | None = None  # the code InfoNCE's smoothing (null: `label_smoothing`)
+
+    def __post_init__(self):
+        for name in ("code_temperature", "code_supcon_temperature"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value < float("inf"):
+                raise ValueError(f"loss.{name} must be a positive number (or null), got {value}")
+        if self.code_label_smoothing is not None and not 0.0 <= self.code_label_smoothing <= 1.0:
+            raise ValueError(f"loss.code_label_smoothing must lie in [0, 1] (or null), got {self.code_label_smoothing}")
 
 
 @dataclass
@@ -156,6 +171,7 @@ CHOICES = {
     "loss.sup_code_input": ("code", "trunc_code"),
     "loss.code_constraint": ("reference", "paper"),
     "loss.categorizer_loss": ("bce", "ce"),
+    "loss.code_distance": ("rowsum", "euclidean"),
     "optim.name": ("sgd", "adamw"),
     "kmeans.balance": ("reference", "capacity"),
     "kmeans.backend": ("auto", "torch", "faiss"),
@@ -272,16 +288,68 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
     return values
 
 
+# File and folder settings. A relative path in a config file is resolved against that file's folder (a config and
+# the files it names move together); one given on the command line (--set, --data.shards), against the working
+# directory. Both are stored absolute, so a run folder's config.yaml means the same from any working directory.
+PATH_KEYS = ("model.pretrained", "data.shards")
+
+
+def _absolute_paths(values: dict, base: Path) -> None:
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        node = values.get(section)
+        if isinstance(node, dict) and isinstance(node.get(name), str) and node[name]:
+            node[name] = os.path.abspath(base / Path(node[name]).expanduser())
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Config from a YAML file (or the defaults when `path` is None) with CLI overrides applied."""
+    """Config from a YAML file (or the defaults when `path` is None) with CLI overrides applied; relative paths
+    resolved (`PATH_KEYS`: from the file against its folder, from an override against the working directory)."""
     values: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: pass an existing YAML file (see configs/)")
-        values = yaml.safe_load(path.read_text()) or {}
-    return from_dict(apply_overrides(values, list(overrides)))
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        _absolute_paths(values, path.parent)
+    values = apply_overrides(values, list(overrides))
+    _absolute_paths(values, Path.cwd())  # only the overrides' paths are still relative
+    return from_dict(values)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Write `cfg` as YAML, atomically (a kill mid-write leaves the old file or none, never half of one)."""
+    from .checkpoint import atomic_write
+
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    atomic_write(Path(path), lambda f: f.write(text.encode()))
+
+
+def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and f"{prefix}{key}" not in _DICT_VALUED:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+_DICT_VALUED = {"model.backbone_kwargs"}  # settings whose value is a mapping (compared whole)
+
+
+def config_drift(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
+    """The dotted keys whose values differ between two configs (as `Config.to_dict()`; a saved config from before a
+    key existed counts as holding its default), each with (saved value, current value)."""
+
+    def normal(values: dict) -> dict:
+        try:
+            return from_dict(values).to_dict()
+        except ValueError:  # ConfigError, or a section's own check
+            return values
+
+    a, b = _flatten(normal(saved)), _flatten(normal(current))
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}

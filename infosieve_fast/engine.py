@@ -11,9 +11,11 @@ table and the same All/Old/New. `data.batch_size` is per rank. Only rank 0 write
 
 from __future__ import annotations
 
+import copy
 import json
+import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import distributed as dist
-from .config import Config, save_config
+from .config import Config, ConfigError, config_drift, save_config
 from .data import InMemoryGCD, build_source
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.base import Batch, GCDSource
@@ -129,9 +131,14 @@ def resolve_device(name: str) -> torch.device:
     """The device named by `train.device`; under torchrun a CUDA device is this process's `cuda:LOCAL_RANK`."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"train.device={name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device={name!r} but no CUDA device is available: use train.device=cpu or auto")
+        raise ValueError(f"train.device={name!r} but no CUDA device is available: use train.device=cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"train.device={name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type == "cuda" and dist.get_world_size() > 1:
         if device.index is not None:
             raise ValueError(f"train.device={name!r}: under torchrun each rank uses cuda:LOCAL_RANK; set cuda or auto")
@@ -349,11 +356,16 @@ class Trainer:
 
     def evaluate_epoch(self) -> dict:
         """`train.eval_every`'s log entries: All/Old/New on the unlabelled train samples and, where the source has
-        one, on the test split (nearest centre of the train clustering)."""
+        one, on the test split (nearest centre of the train clustering); `eval_codes`: what the codes hold
+        (`code_metrics.evaluate_codes`: one more pass of the model over the train set, one k-means round on codes)."""
+        from .code_metrics import evaluate_codes
+
         ev = self.evaluate_full()
         out = {"eval": ev.metrics}
-        if hasattr(self.source, "test_batches"):
+        n_test = getattr(self.source, "manifest", {}).get("counts", {}).get("test", 1)  # 0: shards without test split
+        if hasattr(self.source, "test_batches") and n_test:
             out["eval_test"] = self.evaluate_test(ev.clustering.centers)
+        out["eval_codes"] = evaluate_codes(self)
         return out
 
     # ------------------------------------------------------------------------------------------------ training
@@ -366,18 +378,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = sched.lr
 
+        name = f"epoch {epoch + 1}/{cfg.schedule.epochs}"
+        status = status_line(f"{name}: feature pass ({self.source.n_train} samples)")
         fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
         check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
         features_done = time.perf_counter()  # the checks above read the device: the feature pass has finished
+        status.set_description_str(f"{name}: SS-k-means pseudo-labels")
         clustering = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
         pseudo, self.centers = clustering.labels, clustering.centers.cpu()
         kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
+        status.close()
 
         gen = self._generator(rank_seed(epoch_seed(cfg.train.seed, epoch, 3)))
         monitor = LossMonitor(epoch)
         batches = self.source.train_batches(cfg.data.batch_size, epoch, cfg.train.seed)
         bar = tqdm(
-            batches, desc=f"epoch {epoch + 1}/{cfg.schedule.epochs}", leave=False, dynamic_ncols=True,
+            batches, desc=name, total=self.steps_per_epoch(), unit="step", leave=False, dynamic_ncols=True,
             disable=not dist.is_main_process(),
         )  # fmt: skip
         for batch in bar:
@@ -400,6 +416,13 @@ class Trainer:
             "seconds_kmeans": kmeans_done - features_done, "seconds_steps": end - kmeans_done,
         })  # fmt: skip
         return record
+
+    def steps_per_epoch(self) -> int:
+        """Training steps of an epoch: full global batches of the readable samples, capped by
+        `train.max_steps_per_epoch` (as `train_epoch` runs them; the unreadable ones are known after a feature pass)."""
+        t = self.cfg.train
+        steps = (self.source.n_train - len(self.unreadable)) // (self.cfg.data.batch_size * dist.get_world_size())
+        return steps if t.max_steps_per_epoch is None else min(steps, t.max_steps_per_epoch)
 
     def train_step(self, batch: Batch, pseudo: Tensor, gen: torch.Generator, monitor: LossMonitor) -> None:
         """One two-view step; nothing in it waits for the device (the monitor reads the loss later)."""
@@ -436,6 +459,13 @@ class Trainer:
         self.n_clusters = state.get("n_clusters")
 
 
+def status_line(text: str) -> tqdm:
+    """A one-line progress note on the terminal (rank 0) for a stage without steps to count: the feature pass,
+    k-means; it shows the time spent so far and disappears when closed."""
+    return tqdm(total=0, desc=text, bar_format="{desc} ({elapsed})", leave=False, dynamic_ncols=True,
+                disable=not dist.is_main_process())  # fmt: skip
+
+
 def print_table(metrics: dict[str, dict[str, float]], protocol: str) -> None:
     if not dist.is_main_process():
         return
@@ -452,40 +482,118 @@ def train(
     source: GCDSource | None = None,
     backbone: Backbone | None = None,
     stop_after: Callable[[int], bool] | None = None,
+    overrides: Sequence[str] = (),
 ) -> dict | None:
     """Train (or resume) a run in `run_dir`; returns metrics.json's content, or None if `stop_after` ended it early.
 
     `stop_after(epoch)` is asked after each epoch's checkpoint; True stops the run there (as a kill would).
+    Resuming, `cfg` must equal the checkpoint's config except for the keys named by `overrides` (the `--set KEY=VALUE`
+    strings already applied to `cfg`), which are recorded in RUN/resumes.jsonl and RUN/config.yaml; the backbone is
+    built without `model.pretrained` (the checkpoint holds every weight). A folder with no checkpoint yet (a run killed
+    before its first epoch ended) starts again from scratch, resumed or not.
     Launched by torchrun (env WORLD_SIZE > 1) it starts the process group itself unless one exists; with a group,
     every rank calls this with the same arguments (all ranks read the checkpoint to resume; rank 0 writes the folder).
     """
     with dist.process_group_from_env(wants_cuda(cfg.train.device)):
-        return _train(cfg, Path(run_dir), resume, source, backbone, stop_after)
+        return _train(cfg, Path(run_dir), resume, source, backbone, stop_after, list(overrides))
 
 
-def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
+RESUMES = "resumes.jsonl"  # one line per resume: the epoch it continued at, the --set strings and what they changed
+# what a run killed before its first checkpoint can leave; a folder holding only these is started again
+_LEFTOVERS = {"config.yaml", "log.jsonl", RESUMES, "unreadable.json", "tensorboard"}
+
+
+def _recorded_overrides(run_dir: Path, epoch: int) -> dict:
+    """The changes that resumes at `epoch` recorded (config.yaml holds them, the checkpoint not yet)."""
+    changed: dict = {}
+    for record in ckpt.read_log(run_dir / RESUMES):
+        if record.get("epoch") == epoch:
+            changed.update({k: v[1] for k, v in record.get("changed", {}).items()})
+    return changed
+
+
+def _check_drift(cfg: Config, state: dict, run_dir: Path, overrides: list[str]) -> dict:
+    """The differences between the checkpoint's config and `cfg` that `overrides` explain; any other is refused."""
+    drift = config_drift(state["config"], cfg.to_dict())
+    named = [o.partition("=")[0].strip() for o in overrides]
+    recorded = _recorded_overrides(run_dir, state["epoch"])
+    explained = {k: v for k, v in drift.items() if any(k == n or k.startswith(n + ".") for n in named)}
+    refused = {k: v for k, v in drift.items() if k not in explained and not (k in recorded and recorded[k] == v[1])}
+    if refused:
+        listed = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in refused.items())
+        raise ConfigError(
+            f"{run_dir / 'config.yaml'} differs from its checkpoint's config ({listed}). A resumed run keeps its "
+            f"settings: restore config.yaml, or change a setting on purpose with `infosieve train --resume {run_dir} "
+            f"--set KEY=VALUE` (recorded in {run_dir / RESUMES})"
+        )
+    return explained
+
+
+def _restartable(run_dir: Path) -> bool:
+    """True when `run_dir` holds nothing but what a run killed before its first checkpoint leaves."""
+    names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    return not any(n not in _LEFTOVERS and not (n.startswith(".") and n.endswith(".tmp")) for n in names)
+
+
+def _clear_for_restart(run_dir: Path) -> None:
+    ckpt.remove_temporary_files(run_dir)
+    for name in ("log.jsonl", "unreadable.json"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def _train(cfg, run_dir, resume, source, backbone, stop_after, overrides) -> dict | None:
     main = dist.is_main_process()
-    log_path = run_dir / "log.jsonl"
-    trainer = Trainer(cfg, source, backbone)
-    if resume:
-        state = ckpt.load_checkpoint(run_dir, map_location=trainer.device)
-        trainer.load_state_dict(state)
+    started = time.perf_counter()
+    log_path, metrics_path = run_dir / "log.jsonl", run_dir / "metrics.json"
+    device = resolve_device(cfg.train.device)  # a device this machine lacks is refused before any work
+    state = None
+    if resume and (run_dir / ckpt.CHECKPOINT).is_file():
+        state = ckpt.load_checkpoint(run_dir, map_location=device)
+        changed = _check_drift(cfg, state, run_dir, overrides)
         start, before = state["epoch"], state["before"]
-        metrics_path = run_dir / "metrics.json"
-        if start >= cfg.schedule.epochs and metrics_path.is_file():
+        if start >= cfg.schedule.epochs and metrics_path.is_file() and not changed:
             if main:
                 print(f"{run_dir} already finished its {cfg.schedule.epochs} epochs; its result is in {metrics_path}")
+                print_next_steps(run_dir)
             return json.loads(metrics_path.read_text())
         if main:
+            ckpt.remove_temporary_files(run_dir)
             ckpt.rewrite_log(log_path, [r for r in ckpt.read_log(log_path) if r["epoch"] < start])
-            print(f"resuming {run_dir} at epoch {start + 1}/{cfg.schedule.epochs}")
+            if overrides:  # recorded first: a kill before the next checkpoint leaves config.yaml explained
+                ckpt.append_log(run_dir / RESUMES, {"epoch": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                                    "set": overrides, "changed": changed})  # fmt: skip
+                save_config(cfg, run_dir / "config.yaml")
+            if start < cfg.schedule.epochs:
+                print(f"resuming {run_dir} at epoch {start + 1}/{cfg.schedule.epochs}")
+            else:
+                print(f"resuming {run_dir}: its {cfg.schedule.epochs} epochs are done; the final evaluation runs")
+            for key, (a, b) in changed.items():
+                print(f"  --set {key}: {a!r} -> {b!r} (recorded in {run_dir / RESUMES})")
+    elif dist.all_reduce_any(not _restartable(run_dir), device):
+        if (run_dir / ckpt.CHECKPOINT).is_file():
+            raise FileExistsError(
+                f"run folder {run_dir} holds a run: continue it with `infosieve train --resume {run_dir}`, or choose "
+                "another --out"
+            )
+        raise FileExistsError(f"run folder {run_dir} is not empty (and not a run folder): choose another --out")
+    elif run_dir.is_dir() and any(run_dir.iterdir()) and main:
+        print(f"{run_dir} holds no checkpoint (the run was stopped before its first epoch ended): starting it again")
+        _clear_for_restart(run_dir)
+    trainer_cfg = cfg
+    if state is not None and cfg.model.pretrained:  # every weight is in the checkpoint; the file may have moved
+        trainer_cfg = copy.deepcopy(cfg)
+        trainer_cfg.model.pretrained = None
+    trainer = Trainer(trainer_cfg, source, backbone)
+    trainer.cfg = cfg  # what the checkpoints record
+    if state is not None:
+        trainer.load_state_dict(state)
     else:
-        if dist.all_reduce_any(run_dir.exists() and any(run_dir.iterdir()), trainer.device):
-            raise FileExistsError(f"run folder {run_dir} is not empty: resume it with --resume or choose another --out")
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
+        status = status_line("before training: test-view feature pass + SS-k-means")
         start, before = 0, trainer.evaluate()
+        status.close()
         print_table({"before": before}, cfg.train.eval_protocol)
     board = tensorboard_writer(run_dir, start) if cfg.train.tensorboard and main else None
     for epoch in range(start, cfg.schedule.epochs):
@@ -497,8 +605,10 @@ def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
             log_scalars(board, record)
         if main:
             write_unreadable(run_dir, trainer)
-            ckpt.save_checkpoint(run_dir, trainer.state_dict(epoch + 1, before))
+            # the log line first: a kill between the two leaves a line the checkpoint lacks, dropped on resume (the
+            # other order would lose the epoch's line)
             ckpt.append_log(log_path, record)
+            ckpt.save_checkpoint(run_dir, trainer.state_dict(epoch + 1, before))
             print(
                 f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
                 f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
@@ -506,17 +616,38 @@ def _train(cfg, run_dir, resume, source, backbone, stop_after) -> dict | None:
         dist.barrier()  # the checkpoint is on disk before any rank moves on (or stops)
         if stop_after is not None and stop_after(epoch):
             return None
+    status = status_line("after training: test-view feature pass + SS-k-means")
     final = trainer.evaluate_full()
+    status.close()
     after = final.metrics
     metrics = {"before": before, "after": after, "protocol": cfg.train.eval_protocol}
     trainer.centers = final.clustering.centers.cpu()
     if main:
         ckpt.save_checkpoint(run_dir, trainer.state_dict(cfg.schedule.epochs, before))  # with the final centres
         write_clustering(run_dir, final, trainer.source.n_old)
-        ckpt.write_json(run_dir / "metrics.json", metrics)
+        ckpt.write_json(metrics_path, metrics)
     print_table({"before": before, "after": after}, cfg.train.eval_protocol)
+    if main:
+        at = "for the final evaluation" if start >= cfg.schedule.epochs else f"at epoch {start + 1}"
+        session = "" if state is None else f" (this session, resumed {at})"
+        print(f"\nfinished in {format_duration(time.perf_counter() - started)}{session}; run folder: {run_dir}")
+        print_next_steps(run_dir)
     dist.barrier()
     return metrics
+
+
+def format_duration(seconds: float) -> str:
+    seconds = round(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def print_next_steps(run_dir: Path) -> None:
+    run = shlex.quote(str(run_dir))
+    print("next:")
+    print(f"  infosieve eval --run {run}     # All/Old/New from the checkpoint (--split test: the held-out split)")
+    print(f"  infosieve tree --run {run}     # the category tree of the learned codes")
+    print(f"  infosieve report --run {run}   # report.html: losses, schedules, accuracy, confusion, the tree")
 
 
 def tensorboard_writer(run_dir: Path, start_epoch: int):
@@ -573,14 +704,13 @@ def trainer_from_run(run_dir: str | Path) -> Trainer:
 
 
 def code_tree(run_dir: str | Path, max_depth: int = 8) -> dict:
-    """The implicit category tree of a run's checkpoint: codes of the train samples (test view), cut by the mask."""
+    """The implicit category tree of a run's checkpoint: codes of the train samples (test view), cut by the mask.
+    The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples)."""
+    from .code_metrics import code_features, evaluate_codes
+
     trainer = trainer_from_run(run_dir)
-    cfg = trainer.cfg
-
-    def codes(x: Tensor) -> Tensor:
-        head = trainer.model(x).head
-        return torch.cat([head.code_raw, head.mask], dim=1).float()
-
-    fs = trainer.extract_features("test", embed=codes)
-    length = cfg.model.code_length
-    return build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
+    fs = code_features(trainer)
+    length = trainer.cfg.model.code_length
+    tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
+    tree["measures"] = evaluate_codes(trainer, fs)
+    return tree

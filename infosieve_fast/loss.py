@@ -27,19 +27,33 @@ class InfoSieveLoss:
     def __init__(self, cfg: LossConfig, n_old: int, backend: str = "auto"):
         self.cfg, self.n_old, self.backend = cfg, n_old, backend
 
+    def _settings(self, is_code: bool) -> tuple[float, float, float, bool]:
+        """(InfoNCE T, label smoothing, SupCon tau, row-sum-normalised distances) of the input or the code branch.
+        The code branch's values default to the input's (null in the config), its distances to the reference's
+        row-sum normalisation; every value runs on both kernel backends."""
+        cfg = self.cfg
+        if not is_code:
+            return cfg.temperature, cfg.label_smoothing, cfg.supcon_temperature, False
+        return (
+            cfg.temperature if cfg.code_temperature is None else cfg.code_temperature,
+            cfg.label_smoothing if cfg.code_label_smoothing is None else cfg.code_label_smoothing,
+            cfg.supcon_temperature if cfg.code_supcon_temperature is None else cfg.code_supcon_temperature,
+            cfg.code_distance == "rowsum",
+        )
+
     def _contrastive(
         self, feats: Tensor, sup_feats: Tensor, gt: Tensor, pseudo: Tensor, sup_weight: float, is_code: bool
     ):
-        cfg = self.cfg
-        tau = cfg.supcon_temperature
+        """The input (`is_code=False`) or code contrastive term: (1 - w) InfoNCE + w (SupCon_gt + SupCon_pseudo) / 2."""
+        t, smoothing, tau, rowsum = self._settings(is_code)
         if feats is sup_feats:  # the input branch: one Gram matrix for the three terms
             unsup, (sup_gt, sup_pseudo) = kernels.info_nce_and_supcon(
-                feats, [gt, pseudo], cfg.temperature, cfg.label_smoothing, tau, tau, is_code, backend=self.backend
+                feats, [gt, pseudo], t, smoothing, tau, tau, rowsum, backend=self.backend
             )
         else:
-            unsup = kernels.info_nce_loss(feats, cfg.temperature, cfg.label_smoothing, is_code, backend=self.backend)
-            sup_gt = kernels.supcon_loss(sup_feats, gt, tau, tau, is_code, backend=self.backend)
-            sup_pseudo = kernels.supcon_loss(sup_feats, pseudo, tau, tau, is_code, backend=self.backend)
+            unsup = kernels.info_nce_loss(feats, t, smoothing, rowsum, backend=self.backend)
+            sup_gt = kernels.supcon_loss(sup_feats, gt, tau, tau, rowsum, backend=self.backend)
+            sup_pseudo = kernels.supcon_loss(sup_feats, pseudo, tau, tau, rowsum, backend=self.backend)
         return (1 - sup_weight) * unsup + sup_weight * (sup_gt + sup_pseudo) / 2, unsup, sup_gt, sup_pseudo
 
     def _code_constraint(self, out: ModelOutput) -> Tensor:

@@ -133,8 +133,14 @@ def build_backbone(
     frozen_bf16: bool = False,
     checkpoint_trained: bool = False,
 ) -> Backbone:
-    """The backbone from `net` (any module, with `feat_dim`), or the timm `cfg.backbone` + a local checkpoint."""
-    if net is None:
+    """The backbone from `net` (any module, with `feat_dim`), or `cfg.backbone` (a name in `backbones.BACKBONES`, or a
+    timm model) + a local checkpoint."""
+    from . import backbones
+
+    registered = backbones.build(cfg.backbone, cfg.pretrained, cfg.backbone_kwargs) if net is None else None
+    if registered is not None:  # a backbone named in backbones.py (it loads its own weights)
+        net, feat_dim = registered, registered.num_features
+    elif net is None:
         try:
             net = timm.create_model(cfg.backbone, pretrained=False, num_classes=0, **cfg.backbone_kwargs)
         except RuntimeError as err:  # timm raises RuntimeError for unknown model names
@@ -156,7 +162,9 @@ def load_backbone_weights(net: nn.Module, path: str | Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(
             f"model.pretrained={str(path)!r} does not exist: download the DINO ViT-B/16 backbone weights "
-            "(dino_vitbase16_pretrain.pth) or a timm checkpoint to that path; nothing is downloaded at run time"
+            "(dino_vitbase16_pretrain.pth) or a timm checkpoint to that path, or point model.pretrained at it (a "
+            "relative path in a config file is resolved against the file's folder, on the command line against the "
+            "working directory); nothing is downloaded at run time"
         )
     state = torch.load(path, map_location="cpu", weights_only=True)
     for wrapper in ("teacher", "student", "state_dict", "model"):

@@ -517,14 +517,16 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"make-shards: error: {exn}", file=sys.stderr)
         return 2
     c = manifest["counts"]
+    # what the shards hold: the split's counts less the images skipped as unreadable
+    gone = [(s["split"], bool(s["labelled"])) for s in manifest["skipped"]]
     print(
         json.dumps(
             {
                 "dataset": manifest["dataset"],
                 "out": str(args.out),
-                "labelled": c["labelled"],
-                "unlabelled": c["unlabelled"],
-                "test": c["test"],
+                "labelled": c["labelled"] - gone.count(("train", True)),
+                "unlabelled": c["unlabelled"] - gone.count(("train", False)),
+                "test": c["test"] - sum(split == "test" for split, _ in gone),
                 "n_old": manifest["n_old"],
                 "n_classes": manifest["n_classes"],
                 "skipped": len(manifest["skipped"]),

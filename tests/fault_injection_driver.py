@@ -1,0 +1,244 @@
+"""Kill a short demo training with SIGKILL at seeded random moments, resume it each time, and run it once untouched.
+
+    python tests/fault_injection_driver.py WORKDIR SEED KILLS   (from the repository root)
+
+Used by tests/test_fault_injection.py, which compares WORKDIR/killed with WORKDIR/reference. No test hook lives in the
+package: the driver imports it once (and never computes with torch itself), then runs every attempt in a forked child,
+a fresh process from that point on, which patches one function to kill itself with SIGKILL at that function's n-th
+call in the attempt and then runs `cli.main(["train", ...])` exactly as the command line does (`--config ... --out`
+the first time, `--resume` after). The moments:
+
+- mid-step: inside a training step, after the forward pass and the loss, before backward and the optimizer step;
+- mid-checkpoint-write: half of checkpoint.pt's bytes written to its temporary file;
+- mid-log-append: half of a log.jsonl line written (fsynced);
+- kmeans: inside SS-k-means, at its first centre update (a per-epoch round, or the before/after evaluation's);
+- feature-pass: in a feature pass (the per-epoch one, or the before/after evaluation's);
+- after-log: between an epoch's log line and its checkpoint;
+- after-checkpoint: right after a checkpoint (before the next epoch starts);
+- mid-metrics-write: half of metrics.json written to its temporary file.
+
+The first four attempts take the first four kinds in a seeded order, each at a moment during the epochs (so that every
+kind finds training left to interrupt); the rest draw any kind and any call. WORKDIR/attempts.json lists them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+REQUIRED = ["mid-step", "mid-checkpoint-write", "mid-log-append", "kmeans"]
+OTHERS = ["feature-pass", "after-log", "after-checkpoint", "mid-metrics-write"]
+EPOCHS, STEPS = 3, 3  # the run below: 192 samples in batches of 64
+OVERRIDES = [
+    f"schedule.epochs={EPOCHS}", "train.train_subset=192", "data.batch_size=64", "kmeans.n_init=2",
+    "model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64", "train.device=cpu",
+]  # fmt: skip
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def calls(kind: str, epoch: int | None, during_training: bool) -> int:
+    """How many calls of `kind`'s function an attempt starting from checkpoint `epoch` (None: no checkpoint) makes;
+    `during_training`: only those before the last epoch's checkpoint."""
+    fresh = epoch is None
+    left = EPOCHS - (epoch or 0)
+    if kind in ("mid-step",):
+        return STEPS * left
+    if kind in ("mid-log-append", "after-log"):
+        return left
+    if kind in ("mid-checkpoint-write", "after-checkpoint"):
+        return left if during_training else left + 1  # + the save after the final evaluation
+    if kind in ("kmeans", "feature-pass"):
+        return left + fresh if during_training else left + fresh + 1  # + the final evaluation's
+    if kind == "mid-metrics-write":
+        return 0 if during_training else 1
+    raise ValueError(kind)
+
+
+def patch(kind: str, n: int) -> None:
+    """In the child: make the n-th call of `kind`'s function kill the process."""
+    import torch
+
+    from infosieve_fast import checkpoint, engine, kmeans
+
+    count = [0]
+
+    def hit() -> bool:
+        count[0] += 1
+        return count[0] == n
+
+    if kind == "mid-step":
+        record = engine.LossMonitor.record
+
+        def recording(self, parts):
+            record(self, parts)
+            if hit():
+                die()
+
+        engine.LossMonitor.record = recording
+    elif kind == "mid-checkpoint-write":
+        save = torch.save
+
+        def half_save(obj, f, *args, **kwargs):
+            if not hit():
+                return save(obj, f, *args, **kwargs)
+            buf = io.BytesIO()
+            save(obj, buf, *args, **kwargs)
+            f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            die()
+
+        torch.save = half_save
+    elif kind in ("mid-log-append", "after-log"):
+        append = checkpoint.append_log
+
+        def appending(path, record):
+            if Path(path).name != "log.jsonl" or not hit():
+                return append(path, record)
+            if kind == "after-log":
+                append(path, record)
+            else:
+                line = json.dumps(record) + "\n"
+                with open(path, "a") as f:
+                    f.write(line[: len(line) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+            die()
+
+        checkpoint.append_log = appending
+    elif kind == "after-checkpoint":
+        save_checkpoint = checkpoint.save_checkpoint
+
+        def saving(run_dir, state):
+            save_checkpoint(run_dir, state)
+            if hit():
+                die()
+
+        checkpoint.save_checkpoint = saving
+    elif kind == "kmeans":
+        ss_kmeans, update = engine.semi_supervised_kmeans, kmeans._update_centers
+        armed = [False]
+
+        def clustering(*args, **kwargs):
+            armed[0] = hit()
+            return ss_kmeans(*args, **kwargs)
+
+        def updating(*args, **kwargs):
+            if armed[0]:
+                die()
+            return update(*args, **kwargs)
+
+        engine.semi_supervised_kmeans, kmeans._update_centers = clustering, updating
+    elif kind == "feature-pass":
+        features = engine.InfoSieve.features
+
+        def featuring(self, images):
+            out = features(self, images)
+            if hit():
+                die()
+            return out
+
+        engine.InfoSieve.features = featuring
+    elif kind == "mid-metrics-write":
+        write_json = checkpoint.write_json
+
+        def writing(path, data):
+            if Path(path).name != "metrics.json":
+                return write_json(path, data)
+            text = (json.dumps(data, indent=2) + "\n").encode()
+            checkpoint.atomic_write(Path(path), lambda f: (f.write(text[: len(text) // 2]), f.flush(), die()))
+
+        checkpoint.write_json = writing
+    else:
+        raise ValueError(kind)
+
+
+def fork(target, log: Path) -> int:
+    """Run `target()` in a forked child (stdout/stderr to `log`); its wait status."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            code = target()
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return os.waitpid(pid, 0)[1]
+
+
+def checkpoint_epoch(run: Path, log: Path) -> int | None:
+    """The epoch the run's checkpoint would resume at (None: no checkpoint), read in a child (the driver computes
+    nothing with torch)."""
+
+    def read() -> int:
+        from infosieve_fast.checkpoint import load_checkpoint
+
+        return load_checkpoint(run)["epoch"] if (run / "checkpoint.pt").is_file() else 255
+
+    status = fork(read, log)
+    assert os.WIFEXITED(status), f"reading the checkpoint failed: see {log}"
+    epoch = os.WEXITSTATUS(status)
+    return None if epoch == 255 else epoch
+
+
+def train_argv(run: Path) -> list[str]:
+    if (run / "config.yaml").is_file():
+        return ["train", "--resume", str(run)]
+    return ["train", "--config", "configs/demo.yaml", "--out", str(run), *(a for o in OVERRIDES for a in ("--set", o))]
+
+
+def main(workdir: str, seed: str, kills: str) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from infosieve_fast import cli, engine  # noqa: F401  (imported once, before any fork)
+
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    status = fork(lambda: cli.main(train_argv(work / "reference")), work / "reference.out")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the reference run failed: see {work}/reference.out"
+
+    rng = random.Random(int(seed))
+    kinds = rng.sample(REQUIRED, len(REQUIRED)) + [rng.choice(REQUIRED + OTHERS) for _ in range(int(kills) - 4)]
+    run, attempts = work / "killed", []
+    for i, kind in enumerate(kinds):
+        epoch = checkpoint_epoch(run, work / f"epoch-{i}.out")
+        during = i < len(REQUIRED)
+        if calls(kind, epoch, during) == 0:  # nothing of this kind left in the run: another kind
+            kind = rng.choice([k for k in REQUIRED + OTHERS if calls(k, epoch, during) > 0])
+        n = rng.randint(1, calls(kind, epoch, during))
+        argv = train_argv(run)
+
+        def attempt(kind=kind, n=n, argv=argv) -> int:
+            patch(kind, n)
+            return cli.main(argv)
+
+        status = fork(attempt, work / f"attempt-{i}.out")
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        attempts.append({"kind": kind, "call": n, "checkpoint_epoch": epoch, "command": argv[1], "killed": killed})
+        assert killed, f"attempt {i} ({kind}, call {n}) was not killed (status {status}): see {work}/attempt-{i}.out"
+    epoch = checkpoint_epoch(run, work / "epoch-final.out")
+    status = fork(lambda: cli.main(train_argv(run)), work / "final.out")
+    exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1
+    attempts.append({"kind": None, "checkpoint_epoch": epoch, "command": "--resume", "exit": exit_code})
+    (work / "attempts.json").write_text(json.dumps(attempts, indent=1) + "\n")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the last resume failed: see {work}/final.out"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
