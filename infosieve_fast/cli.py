@@ -32,7 +32,7 @@ def _train(args: argparse.Namespace) -> int:
                 "(it printed `run folder: ...`; by default runs/<config>-<timestamp>)"
             )
         # --set on resume changes the run on purpose: recorded in RUN/resumes.jsonl and config.yaml
-        cfg = config_mod.load_config(cfg_path, overrides)
+        cfg = config_mod.load_config(cfg_path, overrides, saved=True)
         _interruptible(lambda: train(cfg, run_dir, resume=True, overrides=overrides), run_dir)
         return 0
     if not args.config:

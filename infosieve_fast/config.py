@@ -6,6 +6,7 @@ Unknown keys are rejected with their full dotted name.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import typing
@@ -99,6 +100,20 @@ class KMeansConfig:
     # clusters: null = the dataset's number of classes (the published runs) | an integer | "auto": estimated from
     # the backbone features before training (GCD's method, `infosieve estimate-k`), then kept for the whole run
     n_clusters: int | str | None = None
+    # balanced rounds' capacity: null = ceil(N / K), the published value (REFERENCE §5.2); an integer >= 1 sets it
+    cluster_size: int | None = None
+    # labelled clusters keep their class mean as centre in every iteration (the published code frees them in Phase B)
+    freeze_labelled_centers: bool = False
+
+
+@dataclass
+class DigitsConfig:
+    """The embedded demo set's GCD split and size (`data.source: digits`)."""
+
+    known_classes: int = 5  # digits 0..known_classes-1 are known
+    labelled_prop: float = 0.5  # share of the known digits' images that are labelled
+    split_seed: int = 0  # RandomState seed of that choice
+    image_size: int = 32  # the 8x8 images are upscaled to this size before cropping
 
 
 @dataclass
@@ -122,10 +137,7 @@ class DataConfig:
     gpu_cache_share: float = 0.5  # cache="auto": on the GPU when the decoded split fits this share of free memory
     decode: str = "auto"  # "auto": nvJPEG on the GPU when training on CUDA, else the CPU workers | "cpu" | "gpu"
     max_aspect: float | None = None  # cap the stored images' longer side at this x the shorter (null: the reference)
-    known_classes: int = 5  # digits only: digits 0..known_classes-1 are known
-    image_size: int = 32  # digits only: the 8x8 images are upscaled to this size before cropping
-    labelled_prop: float = 0.5
-    split_seed: int = 0
+    digits: DigitsConfig = field(default_factory=DigitsConfig)  # source: digits only (shards carry their split)
 
 
 @dataclass
@@ -190,12 +202,46 @@ class ConfigError(ValueError):
     pass
 
 
+# Keys that moved (old dotted key -> new): run folders written before a move are read upgraded (`upgrade_saved`); a
+# config file that still uses an old key is told the new one.
+MOVED = {f"data.{k}": f"data.digits.{k}" for k in ("known_classes", "labelled_prop", "split_seed", "image_size")}
+
+
+def upgrade_saved(values: dict) -> dict:
+    """A saved config (a run folder's config.yaml, a checkpoint's) with every `MOVED` key under its new name."""
+    values = copy.deepcopy(values)
+    for old, new in MOVED.items():
+        section, name = old.rsplit(".", 1)
+        node = _lookup(values, section)
+        if isinstance(node, dict) and name in node:
+            section, name_now = new.rsplit(".", 1)
+            target = values
+            for part in section.split("."):
+                target = target.setdefault(part, {})
+            target[name_now] = node.pop(name)
+    return values
+
+
+def from_saved(values: dict) -> Config:
+    """The config a run folder or checkpoint saved (`Config.to_dict()` of any earlier version)."""
+    return from_dict(upgrade_saved(values))
+
+
+def _lookup(values: dict, dotted: str):
+    for part in dotted.split("."):
+        values = values.get(part) if isinstance(values, dict) else None
+    return values
+
+
 def _build(cls, values: dict, prefix: str):
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
+    moved = [f"{prefix}{k} is now {MOVED[prefix + k]}" for k in unknown if prefix + k in MOVED]
+    if moved:
+        raise ConfigError(f"renamed config key(s): {'; '.join(moved)}")
     if unknown:
         names = ", ".join(f"{prefix}{k}" for k in unknown)
         raise ConfigError(f"unknown config key(s): {names}; valid keys here: {', '.join(sorted(known))}")
@@ -259,6 +305,22 @@ def from_dict(values: dict) -> Config:
         raise ConfigError(f"kmeans.n_clusters must be null, an integer >= 2 or auto, got {k!r}")
     if not 0.0 < cfg.data.gpu_cache_share <= 1.0:
         raise ConfigError(f"data.gpu_cache_share must lie in (0, 1], got {cfg.data.gpu_cache_share}")
+    km = cfg.kmeans
+    if km.cluster_size is not None:
+        if km.cluster_size < 1:
+            raise ConfigError(f"kmeans.cluster_size must be >= 1 (or null: ceil(N / K)), got {km.cluster_size}")
+        if not (km.balanced or km.eval_balanced):
+            raise ConfigError("kmeans.cluster_size is the balanced rounds' capacity, but kmeans.balanced and "
+                              "kmeans.eval_balanced are both false: drop it or set one of them true")  # fmt: skip
+    if cfg.data.source == "digits":
+        d = cfg.data.digits
+        if not 1 <= d.known_classes <= 9:
+            raise ConfigError(f"data.digits.known_classes must lie in 1..9 got {d.known_classes}")
+        if not 0.0 < d.labelled_prop <= 1.0:
+            raise ConfigError(f"data.digits.labelled_prop must lie in (0, 1], got {d.labelled_prop}")
+        if d.image_size < cfg.data.crop_size:
+            size, crop = d.image_size, cfg.data.crop_size
+            raise ConfigError(f"data.digits.image_size ({size}) must be >= data.crop_size ({crop}): raise it")
     if cfg.data.max_aspect is not None and cfg.data.max_aspect < 1.0:
         raise ConfigError(f"data.max_aspect must be >= 1 (or null: no cap), got {cfg.data.max_aspect}")
     if cfg.train.tensorboard:
@@ -302,9 +364,10 @@ def _absolute_paths(values: dict, base: Path) -> None:
             node[name] = os.path.abspath(base / Path(node[name]).expanduser())
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] = (), saved: bool = False) -> Config:
     """Config from a YAML file (or the defaults when `path` is None) with CLI overrides applied; relative paths
-    resolved (`PATH_KEYS`: from the file against its folder, from an override against the working directory)."""
+    resolved (`PATH_KEYS`: from the file against its folder, from an override against the working directory).
+    `saved`: the file is a run folder's config.yaml, read with moved keys upgraded."""
     values: dict = {}
     if path is not None:
         path = Path(path)
@@ -315,6 +378,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
         _absolute_paths(values, path.parent)
+        if saved:
+            values = upgrade_saved(values)
     values = apply_overrides(values, list(overrides))
     _absolute_paths(values, Path.cwd())  # only the overrides' paths are still relative
     return from_dict(values)
@@ -347,7 +412,7 @@ def config_drift(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
 
     def normal(values: dict) -> dict:
         try:
-            return from_dict(values).to_dict()
+            return from_saved(values).to_dict()
         except ValueError:  # ConfigError, or a section's own check
             return values
 

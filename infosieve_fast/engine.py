@@ -195,6 +195,14 @@ class Trainer:
                 f"data.batch_size={cfg.data.batch_size} (x {dist.get_world_size()} ranks) is more than the "
                 f"{self.source.n_train} train samples, so an epoch has no full batch: lower data.batch_size"
             )
+        km = cfg.kmeans
+        if km.cluster_size is not None and km.n_clusters != "auto":
+            k = km.n_clusters or self.source.n_classes
+            if km.cluster_size * k < self.source.n_train:
+                raise ConfigError(
+                    f"kmeans.cluster_size={km.cluster_size} x {k} clusters holds fewer than the {self.source.n_train} "
+                    f"train samples: set it >= {-(-self.source.n_train // k)}, or null for ceil(N / K)"
+                )
         if self.device.type == "cuda" and isinstance(self.source, InMemoryGCD):
             self.source = self.source.to(self.device)  # small by definition; batches then never cross the bus
         torch.manual_seed(cfg.train.seed)
@@ -307,6 +315,7 @@ class Trainer:
         result = semi_supervised_kmeans(
             fs.feats[~lab], fs.feats[lab], fs.targets[lab], self.clusters(fs),
             n_init=k.n_init, max_iter=k.max_iter, tol=k.tol, balanced=balanced, balance=k.balance,
+            cluster_size=k.cluster_size if balanced else None, freeze_labelled_centers=k.freeze_labelled_centers,
             seed=seed, backend=k.backend, distance_precision=k.distance_precision,
         )  # fmt: skip
         labels = result.labels.to(self.device)
@@ -518,6 +527,12 @@ def _check_drift(cfg: Config, state: dict, run_dir: Path, overrides: list[str]) 
     named = [o.partition("=")[0].strip() for o in overrides]
     recorded = _recorded_overrides(run_dir, state["epoch"])
     explained = {k: v for k, v in drift.items() if any(k == n or k.startswith(n + ".") for n in named)}
+    fixed = [k for k in explained if k.startswith("model.") and k != "model.pretrained" or k == "optim.name"]
+    if fixed:
+        raise ConfigError(
+            f"--set {', '.join(fixed)} on resume: the checkpoint's weights and optimizer state are built for the saved "
+            "network and optimizer, so they cannot continue with these changed; start a new run with --config instead"
+        )
     refused = {k: v for k, v in drift.items() if k not in explained and not (k in recorded and recorded[k] == v[1])}
     if refused:
         listed = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in refused.items())
@@ -691,10 +706,10 @@ def write_unreadable(run_dir: Path, trainer: Trainer) -> None:
 
 def trainer_from_run(run_dir: str | Path) -> Trainer:
     """A trainer holding a run folder's last checkpoint (its config and weights), for commands that read a run."""
-    from .config import from_dict
+    from .config import from_saved
 
     state = ckpt.load_checkpoint(run_dir)
-    cfg = from_dict(state["config"])
+    cfg = from_saved(state["config"])
     cfg.model.pretrained = None  # the checkpoint holds every weight; the backbone file may have moved since
     trainer = Trainer(cfg)
     trainer.model.load_state_dict(state["model"])

@@ -35,7 +35,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
-from .config import from_dict
+from .config import from_saved
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.decode import decode_cpu, pad_into
 from .data.tar import tar_samples
@@ -52,7 +52,7 @@ def model_from_run(run_dir: str | Path, device: torch.device) -> tuple[InfoSieve
     """The run's model with its checkpoint's weights (the backbone is built without `model.pretrained`: the weights
     come from the checkpoint), in eval mode, and the checkpoint."""
     state = ckpt.load_checkpoint(run_dir)
-    cfg = from_dict(state["config"])
+    cfg = from_saved(state["config"])
     cfg.model.pretrained = None
     model = InfoSieve(cfg.model, state["n_old"])
     model.load_state_dict(state["model"])
@@ -129,7 +129,7 @@ def predict(run_dir: str | Path, images: str | Path, out: str | Path, batch_size
     centers = state["centers"].to(dev).float()
     names = state.get("class_names") or []
     n_old = model.labeller.categorizer[-1].out_features
-    cfg = from_dict(state["config"])
+    cfg = from_saved(state["config"])
     d = cfg.data
     augment = DeviceAugment(AugmentConfig(d.crop_size, False, tuple(d.mean), tuple(d.std)))
     shorter = int(d.crop_size / 0.875)  # the reference: Resize(int(224 / 0.875)) = 256, then CenterCrop(224)

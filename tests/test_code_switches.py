@@ -56,7 +56,10 @@ def hand_parts(**switches) -> dict[str, torch.Tensor]:
 def test_defaults_are_the_reference_and_explicit_copies_change_nothing():
     cfg = LossConfig()
     assert (cfg.code_distance, cfg.code_temperature, cfg.code_supcon_temperature, cfg.code_label_smoothing) == (
-        "rowsum", None, None, None
+        "rowsum",
+        None,
+        None,
+        None,
     )
     assert InfoSieveLoss(cfg, N_OLD)._settings(True) == (1.0, 1.0, 0.07, True)
     assert InfoSieveLoss(cfg, N_OLD)._settings(False) == (1.0, 1.0, 0.07, False)

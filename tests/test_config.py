@@ -1,8 +1,9 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
-from infosieve_fast.config import Config, ConfigError, from_dict, load_config, save_config
+from infosieve_fast.config import Config, ConfigError, config_drift, from_dict, from_saved, load_config, save_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -77,8 +78,33 @@ def test_values_people_type_are_read_as_meant():
         ("data.batch_size=0", "data.batch_size must be >= 2"),
         ("train.check_every=0", "train.check_every must be >= 1"),
         ("data.labelled_share=1.5", r"data.labelled_share must lie in \[0, 1\]"),
+        ("kmeans.cluster_size=0", "kmeans.cluster_size must be >= 1"),
     ],
 )
 def test_out_of_range_values_fail_at_load(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+def test_cluster_size_needs_a_balanced_round():
+    with pytest.raises(ConfigError, match="kmeans.balanced and kmeans.eval_balanced are both false"):
+        load_config("configs/herbarium19.yaml", ["kmeans.cluster_size=50", "kmeans.eval_balanced=false"])
+    assert load_config("configs/cub.yaml", ["kmeans.cluster_size=50"]).kmeans.cluster_size == 50
+
+
+def test_digits_settings_live_under_data_digits_and_old_run_folders_still_load(tmp_path):
+    with pytest.raises(ConfigError, match="data.known_classes is now data.digits.known_classes"):
+        load_config("configs/demo.yaml", ["data.known_classes=3"])
+    with pytest.raises(ConfigError, match=r"data.digits.known_classes must lie in 1..9"):
+        load_config("configs/demo.yaml", ["data.digits.known_classes=0"])
+    with pytest.raises(ConfigError, match=r"data.digits.image_size \(20\) must be >= data.crop_size \(32\)"):
+        load_config("configs/demo.yaml", ["data.digits.image_size=20"])
+    # a run folder written before the move: its keys sat directly under data
+    cfg = load_config("configs/demo.yaml", ["data.digits.known_classes=3", "data.digits.image_size=40"])
+    old = cfg.to_dict()
+    old["data"].update(old["data"].pop("digits"))
+    assert "known_classes" in old["data"] and "digits" not in old["data"]
+    assert from_saved(old) == cfg
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert load_config(tmp_path / "config.yaml", saved=True) == cfg
+    assert config_drift(old, cfg.to_dict()) == {}

@@ -10,7 +10,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from benchmarks.published.kmeans import ReferenceSSKMeans
-from infosieve_fast.config import load_config
+from infosieve_fast.config import ConfigError, load_config
 from infosieve_fast.kmeans import (
     _assign_capacity,
     _cluster_sums,
@@ -511,3 +511,27 @@ def test_cluster_sums_segment_path_equals_index_add(dtype):
     torch.testing.assert_close(a, loop)
     torch.testing.assert_close(b, loop)
     assert torch.equal(a[4], torch.zeros(7, dtype=cdtype)) and torch.equal(b[4], a[4])
+
+
+def test_cluster_size_and_frozen_centres_reach_the_training_rounds_from_the_config():
+    from infosieve_fast.engine import FeatureSet, Trainer
+    from tests.test_engine import smoke_config
+
+    u, l, t, _ = blobs(n=320, k=5, n_known=2, seed=4, spread=2.0, weights=IMBALANCED["weights"])
+    feats = torch.cat([l, u]).float()
+    targets = torch.cat([t, torch.zeros(len(u), dtype=t.dtype)])
+    labelled = torch.arange(320) < len(l)
+    fs = FeatureSet(feats, targets, labelled, torch.arange(320), torch.arange(320))
+    sets = ["kmeans.n_init=3", "kmeans.cluster_size=80", "kmeans.n_clusters=5"]
+
+    with pytest.raises(ConfigError, match=r"kmeans.cluster_size=63 x 5 clusters holds fewer than the 320 .* >= 64"):
+        Trainer(smoke_config("kmeans.cluster_size=63", "kmeans.n_clusters=5"))
+    clustering = Trainer(smoke_config(*sets)).cluster(fs, seed=0, balanced=True)
+    ref = reference(u.float(), l.float(), t, 5, variant="infosieve", cluster_size=80, kpp_deletion="fixed")
+    assert torch.equal(clustering.labels, ref.labels_)
+    assert clustering.inertia == pytest.approx(float(ref.inertia_), rel=1e-5)
+
+    frozen = Trainer(smoke_config(*sets, "kmeans.freeze_labelled_centers=true")).cluster(fs, seed=0, balanced=True)
+    means = torch.stack([l[t == c].float().mean(0) for c in range(2)])
+    torch.testing.assert_close(frozen.centers[:2], means)
+    assert not torch.allclose(clustering.centers[:2], means)  # not frozen: the published Phase B moves them

@@ -24,7 +24,8 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("predict")
     cfg = load_config("configs/demo.yaml", [*SMOKE, "train.device=cpu"])
     train(cfg, base / "run")
-    source = digits(cfg.data.known_classes, cfg.data.labelled_prop, cfg.data.split_seed, cfg.data.image_size)
+    d = cfg.data.digits
+    source = digits(d.known_classes, d.labelled_prop, d.split_seed, d.image_size)
     images = base / "images" / "sub"
     images.mkdir(parents=True)
     for uq in range(64):

@@ -141,6 +141,11 @@ def test_resume_refuses_drift_records_set_and_never_reads_pretrained(tmp_path, c
     assert err.startswith(f"error: {run / 'config.yaml'} differs from its checkpoint's config")
     assert "optim.lr: 0.002 in the checkpoint, 0.01 now" in err and f"--resume {run} --set KEY=VALUE" in err
     (run / "config.yaml").write_text(text)
+    # a --set that the saved weights cannot follow is refused before anything is written
+    assert cli.main(["train", "--resume", str(run), "--set", "model.proj_out_dim=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --set model.proj_out_dim on resume") and "start a new run with --config" in err
+    assert not (run / "resumes.jsonl").exists() and (run / "config.yaml").read_text() == text
 
     # an explicit --set is allowed and recorded before training goes on; stopped before the next checkpoint, the run
     # folder's config.yaml holds the change the checkpoint does not yet, which the record explains

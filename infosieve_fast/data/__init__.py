@@ -15,7 +15,8 @@ def build_source(data: DataConfig, train: TrainConfig, device: torch.device | No
     """The train set named by `data.source`, cut to `train.train_subset` samples when set (smoke runs); shard batches
     are delivered on `device` (the training device: it also decides GPU decoding and a GPU cache)."""
     if data.source == "digits":
-        source = digits(data.known_classes, data.labelled_prop, data.split_seed, data.image_size, data.labelled_share)
+        d = data.digits
+        source = digits(d.known_classes, d.labelled_prop, d.split_seed, d.image_size, data.labelled_share)
         if train.train_subset is not None:
             source = source.subset(train.train_subset)
         return source
