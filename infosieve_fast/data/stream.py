@@ -20,7 +20,8 @@ Where the decoding happens:
   `torchvision.io.decode_jpeg(..., device=...)`); `"auto"` picks it when `device` is a CUDA device.
 - a decoded cache, chosen by `cache` ("auto": on the GPU when the decoded split fits `gpu_cache_share` of the GPU's
   free memory, else in RAM below `memory_threshold_mb`, else none): the split is decoded once (each rank decodes
-  only its share, then the ranks exchange them) and every later pass serves crops from it without any CPU decoding.
+  only its share, then the ranks exchange them) and every later pass serves crops from it without any CPU decoding
+  (`cache.DecodedCache`).
 
 Unreadable samples (a damaged shard, a header or an image that does not decode) are skipped and counted, never fatal:
 `unreadable()` lists them, the trainer leaves them out of the clustering and the metrics, `exclude` keeps them out of
@@ -44,8 +45,8 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from .. import distributed as dist
 from ..config import DataConfig
 from .base import Batch
+from .cache import DecodedCache, cache_device
 from .decode import cap_aspect, capped_hw, decode_cpu, decode_gpu, pad_into
-from .pools import BufferPool, cpu_threads
 from .sampler import sample_epoch
 from .tar import ShardIndex, index_shards, open_mmap
 
@@ -126,44 +127,6 @@ class _Reader(Dataset):
         return canvas, (None if (hw == hw[0]).all() else sizes), *meta, failed_t
 
 
-class _Cache:
-    """The decoded split: every image's bytes back to back in one uint8 tensor (on the CPU or a GPU), in index-row
-    (storage) order, so that each rank's share is one contiguous byte range."""
-
-    def __init__(self, hw: np.ndarray, device: torch.device):
-        self.hw = torch.from_numpy(hw)  # [rows, 2]: the served size of each row's image
-        nbytes = 3 * self.hw[:, 0] * self.hw[:, 1]
-        self.offset = torch.cumsum(nbytes, 0) - nbytes
-        self.flat = torch.zeros(int(nbytes.sum()), dtype=torch.uint8, device=device)
-        self.uniform = tuple(int(v) for v in hw[0]) if len(hw) and (hw == hw[0]).all() else None
-        self._pool = BufferPool(3)  # CPU batches: the caller's current and previous ones, the next one
-
-    def image(self, row: int) -> Tensor:
-        h, w = (int(v) for v in self.hw[row])
-        a = int(self.offset[row])
-        return self.flat[a : a + 3 * h * w].view(3, h, w)
-
-    def byte_range(self, lo: int, hi: int) -> Tensor:
-        """The bytes of rows lo..hi-1 (a view)."""
-        end = int(self.offset[hi - 1]) + 3 * int(self.hw[hi - 1].prod())
-        return self.flat[int(self.offset[lo]) : end]
-
-    def batch(self, rows: Tensor) -> tuple[Tensor, Tensor | None]:
-        """(images, sizes) of the given rows: gathered in one op when every image has the same size."""
-        dev = self.flat.device
-        if self.uniform is not None:
-            whole = self.flat.view(-1, 3, *self.uniform)
-            if dev.type == "cpu":  # into a reused buffer: a fresh 25 MB tensor per batch costs more than the copy
-                out = self._pool.get((len(rows), 3, *self.uniform), torch.uint8)
-                return torch.index_select(whole, 0, rows, out=out), None
-            return whole[rows.to(dev)], None
-        images = [self.image(int(r)) for r in rows]
-        sizes = self.hw[rows]
-        hm, wm = (int(v) for v in sizes.max(0).values)
-        out = self._pool.get((len(rows), 3, hm, wm), torch.uint8) if dev.type == "cpu" else None
-        return pad_into(images, out)[0], sizes.to(dev)
-
-
 class ShardSource:
     """`GCDSource` over a shards folder (train split), plus `test_batches` for the test split.
 
@@ -240,9 +203,9 @@ class ShardSource:
             _report(f"{self.dir} ({split}): {len(self._unreadable)} of {self.n_train} samples are in no readable shard")
         self._excluded = np.zeros(self.n_train, bool)
         self.decoded_mb = float((3 * self.served_hw.prod(1)).sum()) / 2**20
-        self.cache_device = self._choose_cache(cache)
+        self.cache_device = cache_device(cache, self.device, self.decoded_mb, gpu_cache_share, memory_threshold_mb)
         self.in_memory = self.cache_device is not None
-        self._cache: _Cache | None = None
+        self._cache: DecodedCache | None = None
         self._test: ShardSource | None = None
 
     # ---- checks and choices -------------------------------------------------------------------------------------
@@ -266,21 +229,6 @@ class ShardSource:
         for msg in problems:
             _report(msg)
         return problems
-
-    def _choose_cache(self, cache: str) -> torch.device | None:
-        """Where the decoded split is kept: the GPU, the CPU, or nowhere (streamed every pass)."""
-        on_gpu = self.device.type == "cuda"
-        if cache == "gpu" and not on_gpu:
-            raise ValueError(f"cache='gpu' needs a CUDA device, got device={self.device}: use cache='cpu' or 'auto'")
-        if cache == "gpu":
-            return self.device
-        if cache == "auto" and on_gpu:
-            free = torch.cuda.mem_get_info(self.device)[0] / 2**20
-            if self.decoded_mb <= self.gpu_cache_share * free:
-                return self.device
-        if cache == "cpu" or (cache == "auto" and self.decoded_mb <= self.memory_threshold_mb):
-            return torch.device("cpu")
-        return None
 
     # ---- reading ------------------------------------------------------------------------------------------------
 
@@ -405,50 +353,18 @@ class ShardSource:
         if self._cache is not None:
             return
         assert self.cache_device is not None
-        cache = _Cache(self.served_hw, self.cache_device)
+        cache = DecodedCache(self.served_hw, self.cache_device)
         rows = self._share_rows()
-        batches = [rows[s : s + 256] for s in range(0, len(rows), 256)]
-        for batch in self._read(batches, self.cache_device):
-            sizes = batch.sizes.tolist() if batch.sizes is not None else [batch.images.shape[-2:]] * len(batch.uq)
-            for img, (h, w), u in zip(batch.images, sizes, batch.uq.tolist(), strict=True):
-                row = int(self.row_of_uq[u])
-                if tuple(cache.hw[row].tolist()) != (h, w):
-                    _report(f"sample uq {u} decodes to {h}x{w}, its header says {tuple(cache.hw[row].tolist())}")
-                    self._unreadable.add(u)
-                    continue
-                cache.image(row).copy_(img[:, :h, :w])
+        decoded = self._read([rows[s : s + 256] for s in range(0, len(rows), 256)], self.cache_device)
+        for uq, got, expected in cache.fill(decoded, self.row_of_uq):
+            _report(f"sample uq {uq} decodes to {got[0]}x{got[1]}, its header says {expected}")
+            self._unreadable.add(uq)
         if self.world_size > 1:
-            n = len(self.index)
-            for r in range(self.world_size):
-                lo, hi = n * r // self.world_size, n * (r + 1) // self.world_size
-                if lo < hi:
-                    dist.broadcast_(cache.byte_range(lo, hi), src=r)
+            cache.share_across_ranks(self.world_size)
             gathered = dist.all_gather_cat(torch.as_tensor(self.unreadable(), dtype=torch.long))[0]
             self._unreadable = set(gathered.tolist())
         self._cache = cache
 
     def _cached(self, uq_batches: Iterator[Tensor]) -> Iterator[Batch]:
-        """Batches gathered from the cache; on the CPU the next one is gathered in a background thread while the
-        caller works on the current one (the gather is ~10% of an in-memory training step on the CPU)."""
         assert self._cache is not None
-        dev = self._cache.flat.device
-
-        def gather(uq: Tensor) -> Batch:
-            u = uq.numpy()
-            rows = self.row_of_uq[u]
-            images, sizes = self._cache.batch(torch.from_numpy(rows))
-            meta = (torch.from_numpy(self.index.cls[rows]), uq, torch.from_numpy(self.labelled[u]))
-            return Batch(images, *(t.to(dev) for t in meta), sizes).to(self.device, non_blocking=True)
-
-        threads = cpu_threads(1) if dev.type == "cpu" else None
-        if threads is None:
-            yield from map(gather, uq_batches)
-            return
-        pending = None
-        for uq in uq_batches:
-            nxt = threads.submit(gather, uq)
-            if pending is not None:
-                yield pending.result()
-            pending = nxt
-        if pending is not None:
-            yield pending.result()
+        return self._cache.serve(uq_batches, self.row_of_uq, self.index.cls, self.labelled, self.device)
