@@ -74,7 +74,7 @@ def run_one(cfg, run_dir: Path, depth: int) -> dict:
     """Train (unless `run_dir` already holds this config's finished run), then read what the run holds."""
     from infosieve_fast.engine import code_tree, train
 
-    done = (run_dir / "metrics.json").is_file() and load_config(run_dir / "config.yaml") == cfg
+    done = (run_dir / "metrics.json").is_file() and load_config(run_dir / "config.yaml", saved=True) == cfg
     start = time.perf_counter()
     if not done:
         if run_dir.exists():
@@ -96,8 +96,9 @@ def run_one(cfg, run_dir: Path, depth: int) -> dict:
         **{f"code_{k}": m[k] for k in ("all", "old", "new")},
         **{k: v for k, v in m.items() if k not in ("all", "old", "new")},
         "terms_first_last": {k: [log[0][k], log[-1][k]] for k in CODE_TERMS if k in log[0]},
-        "train_seconds": sum(r["seconds"] for r in log) if not done else None,
+        "train_seconds": round(sum(r["seconds"] for r in log), 1),
         "wall_seconds": round(seconds, 1),
+        "reused": done,  # trained by an earlier invocation (same config): wall_seconds is only the tree's
     }
     return out
 
