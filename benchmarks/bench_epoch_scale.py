@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_scale import write_synthetic_shards  # noqa: E402
-from benchmarks.provenance import device_name, git_state  # noqa: E402
+from benchmarks.provenance import device_name, emit_json, git_state  # noqa: E402
 from infosieve_fast.config import load_config  # noqa: E402
 from infosieve_fast.data.stream import ShardSource  # noqa: E402
 from infosieve_fast.engine import LossMonitor, Trainer  # noqa: E402
@@ -231,11 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
         "decode_on_gpu": trainer.source.gpu_decode,
     }  # fmt: skip
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    emit_json(result, args.json)
     return result
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
+from benchmarks.provenance import emit_json  # noqa: E402
 from kernels import reference  # noqa: E402
 
 L = 40
@@ -326,13 +326,9 @@ def main(argv=None) -> int:
             _progress(results["contrastive"][-1])
     meta["budget_left_s"] = round(budget.left(), 1)
 
-    text = json.dumps(results, indent=2)
+    emit_json(results, args.json, indent=2, echo=not args.json)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
-    else:
-        print(text)
     errors = [v for group in ("code_head", "contrastive") for r in results[group] for v in r["variants"].values()]
     return 1 if any("error" in v for v in errors) else 0
 

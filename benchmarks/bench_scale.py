@@ -65,7 +65,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.provenance import device_name, git_state  # noqa: E402
+from benchmarks.provenance import device_name, emit_json, git_state  # noqa: E402
 from infosieve_fast.data import shards as shards_mod  # noqa: E402
 from infosieve_fast.data.layouts import RawDataset  # noqa: E402
 from infosieve_fast.data.sampler import reference_labelled_share  # noqa: E402
@@ -755,11 +755,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["machine"]["loadavg_at_end"] = round(os.getloadavg()[0], 2)
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     report = {k: report[k] for k in ("commit", "dirty", "device", "summary")} | report  # summary first
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    emit_json(report, args.out)
     return report
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.provenance import ROOT, device_name, git_state  # noqa: E402
+from benchmarks.provenance import ROOT, device_name, emit_json, git_state  # noqa: E402
 from infosieve_fast import checkpoint as ckpt  # noqa: E402
 from infosieve_fast.config import LossConfig, load_config  # noqa: E402
 
@@ -227,11 +227,7 @@ def main(argv=None) -> dict:
             names = ckpt.load_checkpoint(run_dir).get("class_names")
             tree = json.loads((run_dir / "tree.json").read_text())
             plot_tree(tree, args.plots / f"tree-{variant}.png", names, args.depth)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     return result
 
 

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_tree import CONFIG, reference_overrides, write_subset  # noqa: E402
-from benchmarks.provenance import ROOT, device_name, git_state  # noqa: E402
+from benchmarks.provenance import ROOT, device_name, emit_json, git_state  # noqa: E402
 from infosieve_fast.config import LossConfig, load_config  # noqa: E402
 from infosieve_fast.data.memory import InMemoryGCD  # noqa: E402
 
@@ -165,11 +165,7 @@ def main(argv=None) -> dict:
                   file=sys.stderr, flush=True)  # fmt: skip
         mean = {k: statistics.fmean(r[k] for r in runs.values()) for k in REPORTED}
         result["variants"][name] = {"set": sets, "mean": mean, "runs": runs}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -34,3 +35,13 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def emit_json(result: dict, path: str | Path | None, indent: int = 1, echo: bool = True) -> None:
+    """The benchmark's result as JSON: printed (`echo`) and, when `path` is given, written there too."""
+    text = json.dumps(result, indent=indent)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+    if echo:
+        print(text)
