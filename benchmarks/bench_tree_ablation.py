@@ -133,6 +133,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--views", type=int, default=6, help="cached augmented views per sample (default 6)")
     p.add_argument("--only", nargs="+", help="run only these variants (names as in the output)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every variant")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_tree", help="shards and the feature cache")
     p.add_argument("--json", type=Path, help="also write the result here")
     args = p.parse_args(argv)
@@ -154,12 +155,12 @@ def main(argv=None) -> dict:
                 "(benchmarks/bench_tree_ablation.py, docs/tree.md)",
         "command": "python benchmarks/bench_tree_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": git_state()[0], "dirty": git_state()[1], "device": device_name(torch.device("cpu")),
-        "views": args.views, "n_train": len(cached["targets"]), "variants": {},
+        "views": args.views, "set": args.set, "n_train": len(cached["targets"]), "variants": {},
     }  # fmt: skip
     for name, sets in table.items():
         runs = {}
         for seed in args.seeds:
-            cfg = load_config(CONFIG, ["model.pretrained=null", f"train.seed={seed}", *sets])
+            cfg = load_config(CONFIG, ["model.pretrained=null", f"train.seed={seed}", *args.set, *sets])
             runs[seed] = run_variant(cfg, cached)
             print(f"{name}, seed {seed}: " + json.dumps({k: round(runs[seed][k], 3) for k in REPORTED}),
                   file=sys.stderr, flush=True)  # fmt: skip
