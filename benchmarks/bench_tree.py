@@ -223,10 +223,9 @@ def main(argv=None) -> dict:
         from infosieve_fast.report import plot_tree
 
         args.plots.mkdir(parents=True, exist_ok=True)
-        for variant, run_dir in trees.items():
-            names = ckpt.load_checkpoint(run_dir).get("class_names")
+        for variant, run_dir in trees.items():  # the names are in tree.json (infosieve tree stores them)
             tree = json.loads((run_dir / "tree.json").read_text())
-            plot_tree(tree, args.plots / f"tree-{variant}.png", names, args.depth)
+            plot_tree(tree, args.plots / f"tree-{variant}.png", depth=args.depth)
     emit_json(result, args.json)
     return result
 

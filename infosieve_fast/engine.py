@@ -728,4 +728,5 @@ def code_tree(run_dir: str | Path, max_depth: int = 8) -> dict:
     length = trainer.cfg.model.code_length
     tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
     tree["measures"] = evaluate_codes(trainer, fs)
+    tree["class_names"] = list(trainer.source.class_names)  # target order: what the report labels nodes with
     return tree

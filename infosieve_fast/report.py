@@ -131,10 +131,19 @@ def _layout(tree: dict, depth: int) -> tuple[list[tuple[dict, float, int]], list
     return nodes, edges
 
 
+def node_label(node: dict, class_names: list[str] | None) -> str:
+    """A tree node's caption: its prefix, its majority class (by name when known) and its size. `node["classes"]`
+    maps class index to count; its keys are strings once the tree has been through JSON."""
+    top = int(max(node["classes"], key=node["classes"].get)) if node["classes"] else None
+    name = class_names[top] if class_names is not None and top is not None else str(top)
+    return f"{node['prefix'] or 'root'}\n{name[:14]}\nn={node['n']}"
+
+
 def plot_tree(tree: dict, path: Path, class_names: list[str] | None = None, depth: int = TREE_DEPTH) -> None:
     """The code-prefix tree: one node per prefix down to `depth`; area ~ samples, colour = purity, label = majority
-    class (name and share)."""
+    class (`class_names`, else the names `infosieve tree` stored in the tree, else the class index)."""
     plt = _pyplot()
+    names = class_names if class_names is not None else tree.get("class_names")
     nodes, edges = _layout(tree, depth)
     width = max(x for _, x, _ in nodes) + 1
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * width), 1.6 * (depth + 1) + 1))
@@ -145,10 +154,8 @@ def plot_tree(tree: dict, path: Path, class_names: list[str] | None = None, dept
     for node, x, level in nodes:
         ax.scatter([x], [-level], s=60 + 2400 * node["n"] / total, color=cmap(node["purity"]), edgecolor="k",
                    zorder=2)  # fmt: skip
-        top = max(node["classes"], key=node["classes"].get) if node["classes"] else None
-        name = class_names[top] if class_names is not None and top is not None else str(top)
-        ax.annotate(f"{node['prefix'] or 'root'}\n{name[:14]}\nn={node['n']}", (x, -level), ha="center", va="top",
-                    xytext=(0, -14), textcoords="offset points", fontsize=7)  # fmt: skip
+        ax.annotate(node_label(node, names), (x, -level), ha="center", va="top", xytext=(0, -14),
+                    textcoords="offset points", fontsize=7)  # fmt: skip
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, 1))
     fig.colorbar(sm, ax=ax, fraction=0.03, label="purity (majority class share)")
     ax.set(title=f"implicit category tree: code prefixes to depth {depth}", xlim=(-0.7, width - 0.3),

@@ -10,11 +10,13 @@ import torch
 from PIL import Image
 
 from infosieve_fast import cli
+from infosieve_fast.checkpoint import load_checkpoint
 from infosieve_fast.config import load_config
 from infosieve_fast.data import digits
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.engine import train
 from infosieve_fast.predict import model_from_run
+from infosieve_fast.report import node_label
 from tests.test_engine import SMOKE
 
 
@@ -83,6 +85,12 @@ def test_report_shows_every_plot_in_a_browser(run, tmp_path):
     report_run = tmp_path / "run"
     shutil.copytree(base / "run", report_run)
     assert cli.main(["tree", "--run", str(report_run), "--depth", "4"]) == 0
+    tree = json.loads((report_run / "tree.json").read_text())
+    names = load_checkpoint(report_run)["class_names"]
+    assert tree["class_names"] == names  # the report labels the nodes by name
+    node = max(tree["children"], key=lambda c: c["n"])
+    top = max(range(len(names)), key=lambda c: node["classes"].get(str(c), 0))
+    assert node_label(node, tree["class_names"]).split("\n")[1] == names[top][:14]
     assert cli.main(["report", "--run", str(report_run)]) == 0
     page = (report_run / "report.html").read_text()
     pngs = sorted(p.name for p in (report_run / "report").glob("*.png"))
@@ -100,3 +108,11 @@ def test_report_shows_every_plot_in_a_browser(run, tmp_path):
     assert rows_with_ink.mean() > 0.5  # the plots fill the page, not a blank or broken-image page
     colourful = (pixels.max(-1) - pixels.min(-1) > 80).mean()
     assert colourful > 0.01  # the coloured curves, the confusion matrix and the tree's nodes are drawn
+
+
+def test_tree_node_label_names_the_majority_class_after_json():
+    node = json.loads(json.dumps({"prefix": "01", "n": 9, "classes": {10: 2, 2: 7}}))  # keys become strings
+    names = [f"species {c:03d} with a long name" for c in range(12)]
+    assert node_label(node, names) == "01\nspecies 002 wi\nn=9"
+    assert node_label(node, None) == "01\n2\nn=9"
+    assert node_label({"prefix": "", "n": 0, "classes": {}}, names) == "root\nNone\nn=0"
