@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import ROOT, device_name, emit_json, git_state  # noqa: E402
 from infosieve_fast import checkpoint as ckpt  # noqa: E402
-from infosieve_fast.config import LossConfig, load_config  # noqa: E402
+from infosieve_fast.config import LossConfig, ModelConfig, load_config  # noqa: E402
 
 CONFIG = ROOT / "configs" / "cub100-tree.yaml"
 REALDATA = Path(os.environ.get("INFOSIEVE_REALDATA", ROOT.parent / "shared" / "realdata"))
@@ -43,13 +43,24 @@ SUMMARY_KEYS = ("backbone_all", "backbone_old", "backbone_new", "code_all", "cod
                 "purity_8", "nmi_8", "purity_4", "nmi_4", "purity_16", "nmi_16", "mean_length")  # fmt: skip
 
 
+REFERENCE_MODEL_KEYS = ("code_length",)  # the tree variant may change these; the reference keeps the paper's
+
+
 def reference_overrides(config: Path) -> list[str]:
-    """`--set` values that put every loss key the config file sets back to `LossConfig`'s default."""
+    """`--set` values that put every loss key the config file sets, and `REFERENCE_MODEL_KEYS`, back to their
+    defaults: the published objective with the paper's code length."""
     import yaml
 
-    loss = (yaml.safe_load(config.read_text()) or {}).get("loss", {}) or {}
-    defaults = dataclasses.asdict(LossConfig())
-    return [f"loss.{k}={json.dumps(defaults[k])}" for k in sorted(loss) if loss[k] != defaults[k]]
+    values = yaml.safe_load(config.read_text()) or {}
+    sections = {
+        "loss": (values.get("loss") or {}, dataclasses.asdict(LossConfig()), None),
+        "model": (values.get("model") or {}, dataclasses.asdict(ModelConfig()), REFERENCE_MODEL_KEYS),
+    }
+    out = []
+    for name, (given, defaults, keys) in sections.items():
+        keys = sorted(given) if keys is None else [k for k in keys if k in given]
+        out += [f"{name}.{k}={json.dumps(defaults[k])}" for k in keys if given[k] != defaults[k]]
+    return out
 
 
 def write_subset(classes: int, dst: Path) -> Path:

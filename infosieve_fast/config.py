@@ -56,6 +56,9 @@ class LossConfig:
     code_temperature: float | None = None  # the code InfoNCE's T (null: `temperature`)
     code_supcon_temperature: float | None = None  # the code SupCon's tau (null: `supcon_temperature`)
     code_label_smoothing: float | None = None  # the code InfoNCE's smoothing (null: `label_smoothing`)
+    # the code InfoNCE's input: "code_raw" (reference): every digit alike | "code": positionally weighted, as the code
+    # SupCon's, so the first digits (the tree's top levels) carry more of the instance discrimination
+    code_infonce_input: str = "code_raw"
 
     def __post_init__(self):
         for name in ("code_temperature", "code_supcon_temperature"):
@@ -184,6 +187,7 @@ CHOICES = {
     "loss.code_constraint": ("reference", "paper"),
     "loss.categorizer_loss": ("bce", "ce"),
     "loss.code_distance": ("rowsum", "euclidean"),
+    "loss.code_infonce_input": ("code_raw", "code"),
     "optim.name": ("sgd", "adamw"),
     "kmeans.balance": ("reference", "capacity"),
     "kmeans.backend": ("auto", "torch", "faiss"),

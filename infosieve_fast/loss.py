@@ -97,8 +97,9 @@ class InfoSieveLoss:
                 projection, projection, gt, pseudo, cfg.sup_con_weight, is_code=False
             )
             sup_code = (head.code if cfg.sup_code_input == "code" else head.trunc_code).float()
+            nce_code = (head.code_raw if cfg.code_infonce_input == "code_raw" else head.code).float()
             loss_code, code_unsup, code_gt, code_pseudo = self._contrastive(
-                head.code_raw.float(), sup_code, gt, pseudo, cfg.sup_code_weight, is_code=True
+                nce_code, sup_code, gt, pseudo, cfg.sup_code_weight, is_code=True
             )
             code_cond = self._code_constraint(out)
             mask_cond = head.mask_cond.float()

@@ -111,6 +111,7 @@ def test_each_switch_moves_only_the_code_terms():
         ({"code_temperature": 0.3}, code | {"code_infonce"}),
         ({"code_label_smoothing": 0.0}, code | {"code_infonce"}),
         ({"code_supcon_temperature": 0.2}, code | {"code_supcon_gt", "code_supcon_pseudo"}),
+        ({"code_infonce_input": "code"}, code | {"code_infonce"}),
     ):
         _, parts = batch.run(dataclasses.replace(LossConfig(), **switch), out)
         assert_only_changed(reference, parts, changed)
@@ -169,3 +170,24 @@ def test_config_checks_and_the_tree_configs():
     for name in ("demo-tree", "cub100-tree"):
         cfg = load_config(f"configs/{name}.yaml")
         assert cfg.loss.code_distance == "euclidean" and cfg.loss.code_label_smoothing == 0.0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_code_infonce_on_the_weighted_code(backend):
+    """`code_infonce_input: code`: the code InfoNCE of the positionally weighted code (the oracle on `head.code`);
+    with `sup_code_input: code` both code terms then share one Gram matrix, which must not change the SupCon terms."""
+    gen = torch.Generator().manual_seed(3)
+    batch = Batch(gen, age=2.0)
+    out = batch.output()
+    cfg = dataclasses.replace(LossConfig(), **TREE, code_infonce_input="code")
+
+    def run(c):
+        return InfoSieveLoss(c, N_OLD, backend=backend)(out, batch.targets, batch.labelled, batch.pseudo)[1]
+
+    parts = run(cfg)
+    want = ref.info_nce_loss(out.head.code, 0.2, 0.0, False)
+    torch.testing.assert_close(parts["code_infonce"], want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(want, ref.info_nce_loss(out.head.code_raw, 0.2, 0.0, False))  # the weights matter here
+    raw = run(dataclasses.replace(cfg, code_infonce_input="code_raw"))
+    for term in ("code_supcon_gt", "code_supcon_pseudo"):
+        torch.testing.assert_close(parts[term], raw[term], rtol=1e-6, atol=1e-7)
