@@ -319,7 +319,7 @@ def from_dict(values: dict) -> Config:
     if cfg.data.source == "digits":
         d = cfg.data.digits
         if not 1 <= d.known_classes <= 9:
-            raise ConfigError(f"data.digits.known_classes must lie in 1..9 got {d.known_classes}")
+            raise ConfigError(f"data.digits.known_classes must lie in 1..9, got {d.known_classes}")
         if not 0.0 < d.labelled_prop <= 1.0:
             raise ConfigError(f"data.digits.labelled_prop must lie in (0, 1], got {d.labelled_prop}")
         if d.image_size < cfg.data.crop_size:

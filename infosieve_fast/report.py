@@ -139,11 +139,11 @@ def node_label(node: dict, class_names: list[str] | None) -> str:
     return f"{node['prefix'] or 'root'}\n{name[:14]}\nn={node['n']}"
 
 
-def plot_tree(tree: dict, path: Path, class_names: list[str] | None = None, depth: int = TREE_DEPTH) -> None:
+def plot_tree(tree: dict, path: Path, depth: int = TREE_DEPTH) -> None:
     """The code-prefix tree: one node per prefix down to `depth`; area ~ samples, colour = purity, label = majority
-    class (`class_names`, else the names `infosieve tree` stored in the tree, else the class index)."""
+    class (by the names `infosieve tree` stores in the tree, else by index)."""
     plt = _pyplot()
-    names = class_names if class_names is not None else tree.get("class_names")
+    names = tree.get("class_names")
     nodes, edges = _layout(tree, depth)
     width = max(x for _, x, _ in nodes) + 1
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * width), 1.6 * (depth + 1) + 1))
@@ -173,7 +173,7 @@ def _img(path: Path, alt: str) -> str:
 
 
 def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict | None = None,
-                 class_names: list[str] | None = None, depth: int = TREE_DEPTH) -> Path:  # fmt: skip
+                 depth: int = TREE_DEPTH) -> Path:  # fmt: skip
     """Write `RUN/report.html` and `RUN/report/*.png`; returns the HTML's path.
 
     `clustering`: {"targets", "preds", "n_old"} of the unlabelled train samples; `tree`: `tree.build_tree`'s output.
@@ -203,7 +203,7 @@ def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict
         notes.append("no final clustering recorded (the run has not finished)")
     if tree is not None:
         figures.append(("tree.png", f"implicit category tree to depth {depth}",
-                        lambda p: plot_tree(tree, p, class_names, depth)))  # fmt: skip
+                        lambda p: plot_tree(tree, p, depth)))  # fmt: skip
     else:
         notes.append("no tree.json: run `infosieve tree --run RUN` first")
     body = []

@@ -86,6 +86,21 @@ def test_eval_every_eval_and_tree_report_the_code_measures(tmp_path, capsys):
     assert 1 <= logged["prefixes_4"] <= 2**5 - 1
     assert logged["prefixes_4"] <= logged["prefixes_8"] <= logged["prefixes_16"]
     assert 0 <= logged["mean_length"] <= 40
+    # recounted from the checkpoint's codes with the tree's own prefix strings (tree.code_strings), not prefix_ids
+    from collections import Counter
+
+    from infosieve_fast.code_metrics import code_features
+    from infosieve_fast.engine import trainer_from_run
+
+    fs = code_features(trainer_from_run(run))
+    unl = ~fs.labelled
+    strings = code_strings(fs.feats[unl, :40], fs.feats[unl, 40:])
+    nodes = Counter((s[:4], int(y)) for s, y in zip(strings, fs.targets[unl].tolist(), strict=True))
+    assert logged["prefixes_4"] == len({node for node, _ in nodes})
+    majority = Counter()
+    for (node, _), count in nodes.items():
+        majority[node] = max(majority[node], count)
+    assert logged["purity_4"] == pytest.approx(sum(majority.values()) / int(unl.sum()))
     capsys.readouterr()
     assert cli.main(["tree", "--run", str(run), "--depth", "2"]) == 0
     tree = json.loads((run / "tree.json").read_text())
