@@ -171,7 +171,8 @@ def summarise(runs: list[dict]) -> dict:
     out = {}
     for key in SUMMARY_KEYS:
         values = [r[key] for r in runs]
-        out[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        out[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "sd": sd, "n": len(values)}
     return out
 
 
@@ -228,6 +229,11 @@ def main(argv=None) -> dict:
             "purity_8_at_least_0.6": tree["purity_8"]["mean"] >= 0.6,
             "backbone_all_tree_minus_reference": tree["backbone_all"]["mean"] - ref["backbone_all"]["mean"],
             "backbone_all_seed_spread": spread,
+            # the standard error of that difference (Welch): a second reading of "beyond noise"
+            "backbone_all_difference_standard_error": (
+                ref["backbone_all"]["sd"] ** 2 / ref["backbone_all"]["n"]
+                + tree["backbone_all"]["sd"] ** 2 / tree["backbone_all"]["n"]
+            ) ** 0.5,
             "backbone_all_not_lower_beyond_noise": tree["backbone_all"]["mean"] >= ref["backbone_all"]["mean"] - spread,
         }
     if args.plots:

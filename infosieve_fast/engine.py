@@ -210,6 +210,7 @@ class Trainer:
         self.model = InfoSieve(cfg.model, self.source.n_old, backbone, t.frozen_bf16, t.checkpoint_blocks)
         self.model.to(self.device)
         self.model.kernel_backend = cfg.train.kernels
+        self.model.labeller_grad_stop = cfg.loss.labeller_grad_stop
         self.loss_fn = InfoSieveLoss(cfg.loss, self.source.n_old, backend=cfg.train.kernels)
         d = cfg.data
         self.augment = DeviceAugment(AugmentConfig(d.crop_size, d.hflip, tuple(d.mean), tuple(d.std), d.color_jitter))

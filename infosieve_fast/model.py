@@ -281,6 +281,7 @@ class InfoSieve(nn.Module):
         )
         self.labeller = Labeller(cfg.proj_out_dim, cfg.code_length, n_old, cfg.labeller_hidden_dim, cfg.labeller_layers)
         self.kernel_backend = "auto"
+        self.labeller_grad_stop = "none"  # `loss.labeller_grad_stop`, set by the trainer
 
     def features(self, images: Tensor) -> Tensor:
         """L2-normalised backbone features, the input of SS-k-means."""
@@ -289,5 +290,11 @@ class InfoSieve(nn.Module):
     def forward(self, images: Tensor) -> ModelOutput:
         feats = self.backbone(images)
         projection = F.normalize(self.projection(feats).float(), dim=-1)
-        code_feat, head = self.labeller(projection, self.kernel_backend)
+        code_feat, head = self.labeller(self._labeller_input(feats, projection), self.kernel_backend)
         return ModelOutput(feats, projection, code_feat, head, self.labeller.categorizer(head.trunc_code))
+
+    def _labeller_input(self, feats: Tensor, projection: Tensor) -> Tensor:
+        """The projection, cut from the graph where `labeller_grad_stop` says (same values in every case)."""
+        if self.labeller_grad_stop == "backbone":
+            return F.normalize(self.projection(feats.detach()).float(), dim=-1)
+        return projection.detach() if self.labeller_grad_stop == "projection" else projection
