@@ -172,7 +172,9 @@ def summarise(runs: list[dict]) -> dict:
     for key in SUMMARY_KEYS:
         values = [r[key] for r in runs]
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        out[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "sd": sd, "n": len(values)}
+        out[key] = {
+            "mean": statistics.fmean(values), "min": min(values), "max": max(values), "sd": sd, "n": len(values)
+        }
     return out
 
 

@@ -59,9 +59,10 @@ class LossConfig:
     # the code InfoNCE's input: "code_raw" (reference): every digit alike | "code": positionally weighted, as the code
     # SupCon's, so the first digits (the tree's top levels) carry more of the instance discrimination
     code_infonce_input: str = "code_raw"
-    # Where the gradients of the labeller's terms (code, categorizer, length, constraints) stop. "none" (reference): they
-    # reach the backbone. "backbone": they train the labeller and the projection head, and the backbone learns from the
-    # input terms alone (the projection head runs twice, once on detached features). "projection": the labeller only.
+    # Where the gradients of the labeller's terms (code, categorizer, length, constraints) stop. "none" (reference):
+    # they reach the backbone. "backbone": they train the labeller and the projection head, and the backbone learns
+    # from the input terms alone (the projection head runs twice, once on detached features). "projection": the
+    # labeller only.
     labeller_grad_stop: str = "none"
 
     def __post_init__(self):

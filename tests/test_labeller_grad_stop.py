@@ -45,10 +45,11 @@ def grads(stop: str, input_terms_only: bool = False) -> tuple[dict[str, dict[str
     out = model(views)
     total, _ = InfoSieveLoss(cfg, N_OLD, backend="torch")(out, targets, labelled, pseudo)
     total.backward()
+    modules = (("backbone", model.backbone), ("projection", model.projection), ("labeller", model.labeller))
     by_module = {
         name: {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-        for name, module in (("backbone", model.backbone), ("projection", model.projection), ("labeller", model.labeller))
-    }  # fmt: skip
+        for name, module in modules
+    }
     values = {"total": total.detach(), "code_raw": out.head.code_raw.detach(), "projection": out.projection.detach()}
     return by_module, values
 
@@ -64,7 +65,9 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert normwise(a[name], b[name]) < 1e-5, name
 
 
-@pytest.mark.parametrize("stop, input_only_modules", [("backbone", ["backbone"]), ("projection", ["backbone", "projection"])])
+@pytest.mark.parametrize(
+    "stop, input_only_modules", [("backbone", ["backbone"]), ("projection", ["backbone", "projection"])]
+)
 def test_the_labeller_terms_stop_where_the_switch_says(stop, input_only_modules):
     full, full_values = grads("none")
     input_only, _ = grads("none", input_terms_only=True)
