@@ -152,9 +152,9 @@ def plot_tree(tree: dict, path: Path, depth: int = TREE_DEPTH) -> None:
     for x0, y0, x1, y1 in edges:
         ax.plot([x0, x1], [y0, y1], color="0.6", lw=1, zorder=1)
     for node, x, level in nodes:
-        ax.scatter([x], [-level], s=60 + 2400 * node["n"] / total, color=cmap(node["purity"]), edgecolor="k",
-                   zorder=2)  # fmt: skip
-        ax.annotate(node_label(node, names), (x, -level), ha="center", va="top", xytext=(0, -14),
+        area = 60 + 2400 * node["n"] / total  # points²: a circle of diameter sqrt(area) points
+        ax.scatter([x], [-level], s=area, color=cmap(node["purity"]), edgecolor="k", zorder=2)
+        ax.annotate(node_label(node, names), (x, -level), ha="center", va="top", xytext=(0, -(area**0.5 / 2 + 3)),
                     textcoords="offset points", fontsize=7)  # fmt: skip
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, 1))
     fig.colorbar(sm, ax=ax, fraction=0.03, label="purity (majority class share)")
