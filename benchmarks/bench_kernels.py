@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
+from benchmarks import smoke  # noqa: E402
 from benchmarks.provenance import emit_json  # noqa: E402
 from kernels import reference  # noqa: E402
 
@@ -275,7 +276,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     parser.add_argument("--tf32", action="store_true", help="allow TF32 in the eager/compiled matmuls (default: off)")
     parser.add_argument("--only", choices=["code_head", "contrastive"], help="run one of the two groups")
-    args = parser.parse_args(argv)
+    args = smoke.shrink(parser.parse_args(argv), quick=True, budget_s=5.0, reps=3, no_compile=True)
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

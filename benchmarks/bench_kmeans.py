@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.provenance import device_name, git_state  # noqa: E402
+from benchmarks import smoke  # noqa: E402
+from benchmarks.provenance import device_name, emit_json, git_state  # noqa: E402
 from benchmarks.published.kmeans import ReferenceSSKMeans, sqdist  # noqa: E402
 from infosieve_fast.kmeans import faiss_available, semi_supervised_kmeans  # noqa: E402
 
@@ -137,7 +138,7 @@ def time_round(n, d, k, device, *, dtype=torch.float16, n_init=10, max_iter=10, 
 
 def main_scale(args):
     """``--scale``: features generated once, one round per ``--distance-precision``; JSON written after each run."""
-    n, d, k = SCALES[args.scale]
+    n, d, k = args.shape or SCALES[args.scale]
     device = torch.device(args.device)
     u, l, t = scale_features(n, d, k, device, DTYPES[args.feature_dtype])
     commit, dirty = git_state()
@@ -156,8 +157,7 @@ def main_scale(args):
         out["runs"].append(record)
         print(json.dumps(record), flush=True)
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(out, indent=2))
+            emit_json(out, args.json, indent=2, echo=False)
     return out
 
 
@@ -209,6 +209,11 @@ def sqdist_chunk_ratio(d, k, device):
     return out
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    n, d, k = (int(x) for x in text.split(","))
+    return n, d, k
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
@@ -229,7 +234,8 @@ def main(argv=None):
     ap.add_argument("--scale", choices=sorted(SCALES), help="one round at this size instead of the cases (see above)")
     ap.add_argument("--distance-precision", default="fp32", help="--scale: comma-separated, of fp32, tf32, bf16")
     ap.add_argument("--feature-dtype", default="fp16", choices=sorted(DTYPES), help="--scale: how features are stored")
-    args = ap.parse_args(argv)
+    ap.add_argument("--shape", type=_shape, help="N,D,K in place of every case's and --scale's size")
+    args = smoke.shrink(ap.parse_args(argv), shape=(2000, 32, 20), n_init=2, max_iter=2, repeat=1)
     if args.scale:
         return main_scale(args)
     device = torch.device(args.device)
@@ -253,7 +259,7 @@ def main(argv=None):
         u, l, t = make_features(2000, 64, 20, device)
         semi_supervised_kmeans(u, l, t, 20, n_init=2, backend=args.backend)
     for c in cases:
-        n, d, k = CASES[c]
+        n, d, k = args.shape or CASES[c]
         u, l, t = make_features(n, d, k, device)
         res = {"n": n, "d": d, "k": k, "n_labelled": len(l), "ours": {}, "reference": {}, "speedup": {}}
         res["sqdist_chunk_seconds"] = sqdist_chunk_ratio(d, k, device)
@@ -276,8 +282,7 @@ def main(argv=None):
         out["cases"][c] = res
         print(json.dumps({c: res["speedup"]}), flush=True)
         if args.json:  # after every case, so a run cut short keeps the cases it finished
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(out, indent=2))
+            emit_json(out, args.json, indent=2, echo=False)
     return out
 
 

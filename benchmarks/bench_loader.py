@@ -42,6 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import smoke  # noqa: E402
+from benchmarks.cub_subset import write_cub_subset  # noqa: E402
+from benchmarks.provenance import emit_json  # noqa: E402
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment  # noqa: E402
 from infosieve_fast.data.layouts import read_dataset  # noqa: E402
 from infosieve_fast.data.shards import make_shards  # noqa: E402
@@ -146,10 +149,15 @@ def main() -> None:
         "--memory-threads", type=int, default=os.cpu_count() or 1, help="main-process threads, in-memory path"
     )
     p.add_argument("--repeats", type=int, default=3, help="rounds of (reference, stream, memory); medians reported")
-    args = p.parse_args()
+    p.add_argument("--classes", type=int, default=None, help="only the first N species of --data (default: all)")
+    args = smoke.shrink(p.parse_args(), classes=4, batch_size=8, batches=2, warmup=1, repeats=1)
     torch.set_num_threads(args.threads)
     data = Path(args.data).resolve()
-    shards = Path(args.shards) if args.shards else Path(tempfile.gettempdir()) / "infosieve-bench-shards-cub100"
+    subset = f"-first{args.classes}" if args.classes else ""
+    default_shards = Path(tempfile.gettempdir()) / f"infosieve-bench-shards-cub100{subset}"
+    shards = Path(args.shards) if args.shards else default_shards
+    if args.classes:
+        data = write_cub_subset(data, args.classes, shards.with_name(shards.name + "-raw"))
     load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     make_shards("cubfiles", data, shards, workers=args.workers, progress=False)
@@ -209,9 +217,7 @@ def main() -> None:
             "torch": torch.__version__,
         },
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    emit_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import smoke  # noqa: E402
 from benchmarks.provenance import device_name, emit_json, git_state  # noqa: E402
 from infosieve_fast.data import shards as shards_mod  # noqa: E402
 from infosieve_fast.data.layouts import RawDataset  # noqa: E402
@@ -612,7 +613,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kmeans-max-iter", type=int, default=10)
     p.add_argument("--skip-kmeans", action="store_true")
-    args = p.parse_args(argv)
+    args = smoke.shrink(
+        p.parse_args(argv), n=600, classes=10, shard_size_mb=0.5, batch_size=32, feature_batch_size=64, epochs=1,
+        decode_n=16, decode_batch=8, decode_repeats=1, kmeans_n=2000, kmeans_dim=16, kmeans_k=20, kmeans_max_iter=2,
+    )
     if args.world < 1 or args.workers < 0 or args.epochs < 1 or args.n < args.batch_size * args.world:
         p.error("need --world >= 1, --workers >= 0, --epochs >= 1 and --n >= --batch-size x --world")
     return args

@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import smoke  # noqa: E402
+from benchmarks.cub_subset import write_cub_subset  # noqa: E402
 from benchmarks.provenance import ROOT, device_name, emit_json, git_state  # noqa: E402
 from infosieve_fast import checkpoint as ckpt  # noqa: E402
 from infosieve_fast.config import LossConfig, ModelConfig, config_drift, load_config  # noqa: E402
@@ -62,24 +64,6 @@ def reference_overrides(config: Path) -> list[str]:
         keys = sorted(given) if keys is None else [k for k in keys if k in given]
         out += [f"{name}.{k}={json.dumps(defaults[k])}" for k in keys if given[k] != defaults[k]]
     return out
-
-
-def write_subset(classes: int, dst: Path) -> Path:
-    """A CUB-style folder with the first `classes` species of realdata/cub100 (id files filtered, images linked)."""
-    src = REALDATA / "cub100"
-    if not (src / "images.txt").is_file():
-        raise FileNotFoundError(f"{src} not found: point INFOSIEVE_REALDATA at the shared realdata folder")
-    dst.mkdir(parents=True, exist_ok=True)
-    labels = dict(line.split(", ") for line in (src / "image_class_labels.txt").read_text().splitlines())
-    keep = {i for i, c in labels.items() if int(c) < classes}
-    for name in ("images.txt", "image_class_labels.txt"):
-        lines = [x for x in (src / name).read_text().splitlines() if x.split(", ")[0] in keep]
-        (dst / name).write_text("\n".join(lines) + "\n")
-    lines = [x for x in (src / "classes.txt").read_text().splitlines() if int(x.split(", ")[0]) < classes]
-    (dst / "classes.txt").write_text("\n".join(lines) + "\n")
-    if not (dst / "images").exists():
-        (dst / "images").symlink_to(src / "images")
-    return dst
 
 
 def refuse_other_config(cfg, run_dir: Path) -> None:
@@ -200,7 +184,10 @@ def main(argv=None) -> dict:
     p.add_argument("--plots", type=Path, help="write tree-<variant>.png here (report.plot_tree, first seed)")
     p.add_argument("--json", type=Path, help="also write the result here")
     p.add_argument("--diagnose", action="store_true", help="only the gradient measurement (seconds), as JSON")
-    args = p.parse_args(argv)
+    args = smoke.shrink(
+        p.parse_args(argv), classes=2, seeds=[1],
+        more_sets=("schedule.epochs=1", "data.crop_size=64", "data.batch_size=32"),
+    )  # fmt: skip
     if args.diagnose:
         result = {"diagnosis": diagnose()}
         print(json.dumps(result, indent=1))
@@ -209,7 +196,7 @@ def main(argv=None) -> dict:
     from infosieve_fast.data.shards import make_shards
 
     data = args.out / f"cub{args.classes}"
-    raw = write_subset(args.classes, data / "raw")
+    raw = write_cub_subset(REALDATA / "cub100", args.classes, data / "raw")
     manifest = make_shards("cubfiles", raw, data / "shards", resize=128, workers=2, progress=False)
     result = {
         "what": "reference vs tree variant on real cub100 images (benchmarks/bench_tree.py, docs/tree.md)",

@@ -30,7 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_tree import CONFIG, reference_overrides, write_subset  # noqa: E402
+from benchmarks import smoke  # noqa: E402
+from benchmarks.bench_tree import CONFIG, REALDATA, reference_overrides  # noqa: E402
+from benchmarks.cub_subset import write_cub_subset  # noqa: E402
 from benchmarks.provenance import ROOT, device_name, emit_json, git_state  # noqa: E402
 from infosieve_fast.config import load_config  # noqa: E402
 from infosieve_fast.data.memory import InMemoryGCD  # noqa: E402
@@ -133,13 +135,15 @@ def main(argv=None) -> dict:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every variant")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_tree", help="shards and the feature cache")
     p.add_argument("--json", type=Path, help="also write the result here")
-    args = p.parse_args(argv)
+    args = smoke.shrink(
+        p.parse_args(argv), classes=2, seeds=[1], views=2, more_sets=("schedule.epochs=1", "data.batch_size=32")
+    )
 
     from infosieve_fast.data.shards import make_shards
 
     data = args.out / f"cub{args.classes}"
-    make_shards("cubfiles", write_subset(args.classes, data / "raw"), data / "shards", resize=128, workers=2,
-                progress=False)  # fmt: skip
+    raw = write_cub_subset(REALDATA / "cub100", args.classes, data / "raw")
+    make_shards("cubfiles", raw, data / "shards", resize=128, workers=2, progress=False)
     cached = cache_views(data / "shards", args.views, data / f"views-{args.views}.pt")
     table = variants(CONFIG)
     if args.only:

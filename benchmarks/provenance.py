@@ -1,16 +1,30 @@
-"""What a benchmark result must name: the commit it ran on, whether the tree was dirty, and the device."""
+"""What a benchmark result must name: the commit it ran on, whether the tree was dirty, a hash of the code that ran,
+and the device.
+
+The tree hash covers the code (`CODE_PATHS`, results and caches excluded) and is computed from the files themselves,
+so it is the same on a machine whose copy of the tree has no `.git`. `python -m benchmarks.provenance --commit C`
+prints the hash of commit C's code, to check a result's `tree_hash` against the commit it names.
+"""
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import platform
 import subprocess
+import tarfile
+import tempfile
 from pathlib import Path
 
 import torch
 
+from benchmarks import smoke
+
 ROOT = Path(__file__).resolve().parents[1]
+CODE_PATHS = ("pyproject.toml", "infosieve_fast", "kernels", "benchmarks", "configs", "tests")
+NOT_CODE = {"__pycache__", "results", ".pytest_cache", ".benchmarks"}
 
 
 def git_state() -> tuple[str, bool | None]:
@@ -31,6 +45,39 @@ def git_state() -> tuple[str, bool | None]:
     return (commit, bool(git("status", "--porcelain"))) if commit else ("unknown", None)
 
 
+def tree_hash(root: str | Path = ROOT) -> str:
+    """sha256 over the relative path and bytes of every file under `CODE_PATHS` (sorted; `NOT_CODE` folders and .pyc
+    files left out)."""
+    root = Path(root)
+    digest = hashlib.sha256()
+    for top in CODE_PATHS:
+        start = root / top
+        files = [start] if start.is_file() else sorted(start.rglob("*")) if start.is_dir() else []
+        for path in files:
+            rel = path.relative_to(root)
+            if not path.is_file() or path.suffix == ".pyc" or NOT_CODE.intersection(rel.parts):
+                continue
+            digest.update(rel.as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def commit_tree_hash(commit: str) -> str:
+    """`tree_hash` of a commit's code, from `git archive` (the working tree is not touched)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", commit, *CODE_PATHS], cwd=ROOT, capture_output=True, check=True)
+        tar_path = Path(tmp) / "code.tar"
+        tar_path.write_bytes(archive.stdout)
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(Path(tmp) / "tree", filter="data")
+        return tree_hash(Path(tmp) / "tree")
+
+
+def stamp() -> dict:
+    """The provenance fields every result JSON carries."""
+    commit, dirty = git_state()
+    return {"commit": commit, "dirty": dirty, "tree_hash": tree_hash(), **({"smoke": True} if smoke.active() else {})}
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -38,10 +85,23 @@ def device_name(device: torch.device) -> str:
 
 
 def emit_json(result: dict, path: str | Path | None, indent: int = 1, echo: bool = True) -> None:
-    """The benchmark's result as JSON: printed (`echo`) and, when `path` is given, written there too."""
+    """The benchmark's result as JSON, with `stamp()`'s fields where it lacks them: printed (`echo`) and, when `path`
+    is given, written there too."""
+    result = {**stamp(), **result} if "tree_hash" not in result else result
     text = json.dumps(result, indent=indent)
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text + "\n")
     if echo:
         print(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="print the tree hash of the working tree or of a commit")
+    parser.add_argument("--commit", help="hash this commit's code instead of the working tree's")
+    args = parser.parse_args(argv)
+    print(commit_tree_hash(args.commit) if args.commit else tree_hash())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Every command that README.md and docs/ show runs here, at smoke size, so none can rot unseen.
+
+Commands are read from the Markdown itself: the lines of ```bash blocks (backslash continuations joined, comments
+dropped) and inline code spans that call `python`, `infosieve`, `torchrun` or `bash` with arguments. Each must match
+one entry of `PLAN`:
+- run: the command as written, placeholders bound to what this test makes (a one-epoch demo run, a folder of real
+  images, temporary output paths), the benchmarks at their own smoke sizes (INFOSIEVE_BENCH_SMOKE=1,
+  benchmarks/smoke.py), `infosieve train` with one epoch;
+- parse: commands that need what CI cannot have (a dataset download, pretrained DINO weights, several GPUs): their
+  arguments are parsed by the real command-line parser, so a renamed flag still fails;
+- gpu: a CUDA command of benchmarks/gpu_check.sh, whose CPU rehearsal runs here;
+- ci: installing and testing, which CI itself does.
+A command that matches no entry fails the test: a new documented command must say how it is checked.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from infosieve_fast import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CALLS = ("python ", "python3 ", "infosieve ", "torchrun ", "bash ", "GPU_CHECK_COMMIT=", "PYTHONPATH=")
+ONE_EPOCH = ["--set", "schedule.epochs=1", "--set", "kmeans.n_init=1"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    pattern: str  # a regex that must match the whole command
+    how: str  # "run" | "parse" | "ci"
+    why: str = ""
+
+
+PLAN = [
+    Entry(r"python3 -m venv .*|pip install .*", "ci", "the install: CI runs the README's install command"),
+    Entry(r"pytest", "ci", "the tests: CI runs them"),
+    Entry(r"infosieve train --config configs/demo\.yaml( --out \S+)?( --set \S+)*", "run"),
+    Entry(r"infosieve train --resume \S+", "run"),
+    Entry(r"infosieve (eval|tree|report|estimate-k) --run \S+( --depth \d+)?", "run"),
+    Entry(r"infosieve eval --run \S+ --split test", "parse", "needs a run on shards with a test split "
+          "(tests/test_eval_logging.py scores one)"),  # fmt: skip
+    Entry(r"infosieve predict --run \S+ --images \S+ --out \S+", "run"),
+    Entry(r"infosieve make-shards --dataset (cub|imagenet1k) .*", "parse", "needs the dataset download "
+          "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run both layouts on stand-ins)"),  # fmt: skip
+    Entry(r"infosieve train --config configs/cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
+    Entry(r"torchrun --nproc_per_node=\d+ -m infosieve_fast\.cli .*", "parse", "needs several GPUs "
+          "(tests/test_engine_ddp.py runs the same path on gloo ranks)"),  # fmt: skip
+    Entry(r"python benchmarks/bench_kmeans\.py --device cuda .*", "gpu", "CUDA: benchmarks/gpu_check.sh runs it, "
+          "and its CPU rehearsal runs here (the gpu_check.sh entry)"),  # fmt: skip
+    Entry(r"python benchmarks/\w+\.py.*", "run"),
+    Entry(r"GPU_CHECK_COMMIT=\$\(git rev-parse HEAD\) RESULTS_DIR=\S+ bash benchmarks/gpu_check\.sh", "run"),
+]
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command) for every command in the docs, in order of appearance."""
+    found = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        fenced, pending = None, ""
+        for number, line in enumerate(lines, 1):
+            where = f"{doc.relative_to(ROOT)}:{number}"
+            if line.startswith("```"):
+                fenced = line[3:].strip() if fenced is None else None
+                continue
+            if fenced == "bash":
+                text = pending + re.sub(r"\s+#.*$", "", line).strip()
+                if text.endswith("\\"):
+                    pending = text[:-1].strip() + " "
+                elif text and not text.startswith("#"):
+                    found.append((where, text))
+                    pending = ""
+            elif fenced is None:
+                for span in re.findall(r"`([^`]+)`", line):
+                    if span.startswith(CALLS) and len(span.split()) > 2:
+                        found.append((where, span))
+    return found
+
+
+def entry_for(command: str) -> Entry | None:
+    return next((e for e in PLAN if re.fullmatch(e.pattern, command)), None)
+
+
+def test_every_documented_command_has_a_plan():
+    commands = documented_commands()
+    assert any(c.startswith("python benchmarks/bench_train.py") for _, c in commands)  # the reader found them
+    for where, command in commands:
+        entry = entry_for(command)
+        assert entry, f"{where}: {command!r} is documented but matches no entry of PLAN: say how CI checks it"
+        assert entry.how in {"run", "parse", "gpu", "ci"}
+        assert entry.how == "run" or entry.why, f"{where}: {command!r} is not run, and its entry gives no reason"
+
+
+def test_every_benchmark_script_is_run_by_a_documented_command_or_the_gpu_check():
+    shown = " ".join(c for _, c in documented_commands())
+    gpu_check = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    scripts = [p for p in (ROOT / "benchmarks").glob("*.py") if p.name.startswith(("bench_", "gpu_", "check_"))]
+    missing = [p.name for p in scripts if f"benchmarks/{p.name}" not in shown and p.stem not in gpu_check]
+    assert not missing, f"benchmarks run by no documented command and not by gpu_check.sh: {missing}"
+
+
+@pytest.fixture(scope="module")
+def bound(tmp_path_factory, realdata) -> dict[str, str]:
+    """What the placeholders stand for: a one-epoch demo run, real images to sort, and fresh output paths."""
+    tmp = tmp_path_factory.mktemp("documented")
+    run_dir = tmp / "demo-run"
+    subprocess.run([sys.executable, "-m", "infosieve_fast.cli", "train", "--config", "configs/demo.yaml",
+                    "--out", str(run_dir), *ONE_EPOCH], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    images = tmp / "images"
+    images.mkdir()
+    with gzip.open(realdata / "mnist_t10k" / "t10k-images-idx3-ubyte.gz") as f:
+        digits = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
+    for i in range(12):
+        Image.fromarray(digits[i]).save(images / f"{i:04d}.png")
+    return {"tmp": str(tmp), "run": str(run_dir), "images": str(images), "realdata": str(realdata)}
+
+
+def bind(command: str, bound: dict[str, str], name: str) -> str:
+    """The command with its placeholders and output paths replaced by `bound`'s (nothing is written in the repo)."""
+    out = Path(bound["tmp"]) / name
+    command = command.replace("../shared/realdata", bound["realdata"])
+    command = re.sub(r"runs/demo-<timestamp>|/tmp/demo_readme|\bRUN\b(?!_)", bound["run"], command)
+    command = re.sub(r"NEW_IMAGES/|/tmp/mnist200(?=\s|$)", bound["images"], command)
+    command = re.sub(r"--out /tmp/demo_\w+", f"--out {out}", command)
+    command = re.sub(r"(?<=\s)(benchmarks/results/|docs/|runs/|/tmp/)?[\w.-]+\.(json|jsonl|csv)\b",
+                     lambda m: str(out / Path(m.group(0)).name), command)  # fmt: skip
+    command = re.sub(r"--plots \S+", f"--plots {out}/plots", command)
+    command = re.sub(r"(?<=--out )runs/\S+", str(out / "runs"), command)
+    command = command.replace("$OUT", str(out)).replace("$(git rev-parse HEAD)", "smoke")
+    if command.startswith("infosieve train --config"):
+        command += f" {shlex.join(ONE_EPOCH)}" + ("" if "--out" in command else f" --out {out}/run")
+    return command
+
+
+def run_shell(command: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "INFOSIEVE_BENCH_SMOKE": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    command = re.sub(r"^python3? ", f"{sys.executable} ", command)
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _documented(how: str) -> list[tuple[str, str]]:
+    return [(w, c) for w, c in documented_commands() if getattr(entry_for(c), "how", None) == how]
+
+
+def _unique(commands: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    seen, out = set(), []
+    for where, command in commands:
+        key = re.sub(r"--out /tmp/demo_\w+|--json \S+|--out \S+\.json", "", command).strip()
+        if key not in seen:
+            seen.add(key)
+            out.append((where, command))
+    return out
+
+
+@pytest.mark.parametrize(("where", "command"), _unique(_documented("run")), ids=lambda x: x if ":" in x else "")
+def test_documented_command_runs_at_smoke_size(where, command, bound):
+    bound_command = bind(command, bound, re.sub(r"\W", "_", where))
+    done = run_shell(bound_command)
+    assert done.returncode == 0, (
+        f"{where}: {command}\nran as: {bound_command}\nexit {done.returncode}\n{done.stdout[-3000:]}\n"
+        f"{done.stderr[-3000:]}"
+    )
+
+
+@pytest.mark.parametrize(("where", "command"), _documented("parse"), ids=lambda x: x if ":" in x else "")
+def test_documented_command_parses(where, command):
+    argv = shlex.split(command)
+    argv = argv[argv.index("infosieve_fast.cli") + 1 :] if argv[0] == "torchrun" else argv[1:]
+    cli.build_parser().parse_args(argv)  # exits (SystemExit) on an unknown flag or a missing argument
