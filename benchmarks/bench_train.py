@@ -2,62 +2,97 @@
 
 The baseline is `benchmarks/published/train.py`: the published model (whole backbone under autograd, the frozen
 parameters only `requires_grad=False`), its loss composition (`torch.cdist`, CE with label smoothing, SupCon on ground
-truth and pseudo-labels, HLoss x2, NormPLoss, BCE categorizer), plain SGD, fp32, and the loss read with `.item()`
-after every step as the published loop logs it. Both sides start each step from the same uint8 batch on the device and
-make their two views with the same `DeviceAugment` (the CPU loaders are compared in bench_loader.py), and both use the
-same random weights. torch's defaults hold for fp32 matmuls (no TF32).
+truth and pseudo-labels, HLoss x2, NormPLoss, BCE categorizer), plain SGD, fp32. Both sides start each step from the
+same uint8 batch on the device and make their two views with the same `DeviceAugment` (the CPU loaders are compared in
+bench_loader.py), and both use the same random weights. torch's defaults hold for fp32 matmuls (no TF32).
 
 Step mode (always): for each variant, `--warmup` steps, then `--steps` steps timed between CUDA events (wall clock on
 the CPU), median ms/step, images/s (samples, not views), peak memory, and MFU = the step's FLOPs (counted from the
-published fp32 step with torch's FlopCounterMode) / time / the card's dense bf16 GEMM rate measured in this run.
-Variants:
-  published_fp32    (a) the published step, fp32
-  published_bf16    (b) the same under bf16 autocast, what a user tries first
-  fast_default      (c) infosieve-fast with its default config
-  fast_frozen_bf16  (d) + train.frozen_bf16
-  fast_checkpoint   (d) + train.checkpoint_blocks (memory, not speed)
-  fast_compile      (d) + train.compile (CUDA)
-  fast_all          (d) + both
+published fp32 step with torch's FlopCounterMode) / time / a bf16 peak, twice: `mfu_measured_gemm` against the dense
+bf16 GEMM rate measured in this run, `mfu_datasheet` against the card's datasheet peak (`DATASHEET_BF16_TFLOPS`; null
+for a card not in that table and for the CPU). The published step reads `loss.item()` after every step. Variants, in
+report order (the default and its fairest baseline first):
+  fast_default      infosieve-fast with its default config
+  published_bf16    the published step under bf16 autocast, what a user tries first
+  published_fp32    the published step, fp32
+  fast_frozen_bf16  fast_default + train.frozen_bf16
+  fast_checkpoint   fast_default + train.checkpoint_blocks (memory, not speed)
+  fast_compile      fast_default + train.compile (CUDA)
+  fast_all          fast_default + train.frozen_bf16 + train.compile (CUDA)
+A variant that needs CUDA is recorded as {"skipped": reason} on the CPU.
+
 Epoch mode (`--epoch`): a CUB-sized in-memory train set of random uint8 images (5,994 at 256^2, 200 classes, the first
-100 known, half of their images labelled with RandomState(0)) on the device; one whole epoch of each side: the feature
-pass, SS-k-means pseudo-labels (10 restarts x 10 iterations, balanced) and all N // batch steps. The published
-k-means (a Python loop writing its distance chunks into a CPU tensor) is run with `--ref-kmeans-inits` restarts and
-timed as a phase of the epoch; its restarts are independent and cost the same, so the published epoch is reported as
-the measured epoch + the k-means time x (10 - inits) / inits. `projected_200_epochs_minutes` is 200 x the epoch.
+100 known, half of their images labelled by the GCD split, RandomState(0)) and a test split (5,794, every class) on the
+device. Every k-means of both sides clusters synthetic features with class structure, of the real size, instead of the
+random network's features of noise images (which have none, so the k-means would time an easy case): per class a mean
+on the unit sphere, per sample L2-normalise(mean + s N(0, I)), s = `--stand-in-noise` (0.03, bench_kmeans' recipe),
+seeded with `--seed`; N_train x the backbone's width for the pseudo-labels, N_train x the code length for the
+published code k-means, N_test x the width for its test k-means (the train set's class means). The labelled subset is
+the GCD split's. The feature passes still run the real network on the images and are timed.
+For each of `--epoch-variants`:
+  fast epoch        `Trainer.train_epoch` after a 2-step warm-up epoch: the feature pass, SS-k-means pseudo-labels
+                    (10 restarts x 10 iterations, balanced) and all N // batch steps (`epoch_seconds`), then the
+                    checkpoint `infosieve train` writes after every epoch (`checkpoint_seconds`;
+                    `epoch_with_checkpoint_seconds` is the sum);
+  published_epoch_minimal
+                    measured on the same weights right after: the minimal composition (feature pass, pseudo-label
+                    k-means, steps), as `published_epoch` runs it without `released`;
+  published_epoch_as_released
+                    the next published epoch, with the work the published loop really does every epoch
+                    (`published_epoch(released=...)`: the codes in the pseudo-label pass and their k-means, the loop's
+                    per-step `.item()` records, the test-split pass and its three kmeans_pytorch runs, the scoring of
+                    every clustering, the three per-epoch `torch.save`s into a temporary folder).
+The published pseudo-label k-means (a Python loop writing its distance chunks into a CPU tensor) runs with
+`--ref-kmeans-inits` restarts; its restarts are independent and cost the same, so its phase is projected to 10 restarts.
+With `--as-released-subset IMAGES`, the as-released epoch's per-image phases (the train and test feature passes and the
+steps) run over IMAGES images (IMAGES // batch steps) and are scaled to the full size; its k-means runs, scoring and
+saves run in full. Every projection is recorded (`projection_factors`, measured and projected phase seconds).
+`projected_200_epochs_minutes` is 200 x an epoch.
+
+`summary` holds the figures runs are compared by. Every ratio in it is {"value", "numerator", "denominator"}, the two
+being paths into this report, so each names its variants; an epoch ratio always pairs a fast epoch with the published
+epochs measured alongside that same variant.
 
     python benchmarks/bench_train.py --device cuda --epoch --json benchmarks/results/nvidia-h100-80gb-hbm3-train.json
     python benchmarks/bench_train.py --device cpu --backbone vit_tiny_patch16_224 --batch 8 --steps 20 --warmup 3
     pytest benchmarks/bench_train.py          # the same small CPU case through pytest-benchmark
 
-Prints one JSON document (and writes it with --json); `summary` holds the figures runs are compared by.
+Prints one JSON document at the end (`benchmarks.provenance.emit_json`); with --json it is also written there after
+every variant, so a run cut short keeps what it measured. INFOSIEVE_BENCH_SMOKE=1 (benchmarks/smoke.py) runs 2 steps
+after 1 warm-up step and gives every size left at its default its smoke value (`SMOKE_*` below).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.provenance import device_name, git_state  # noqa: E402
+from benchmarks import smoke  # noqa: E402
+from benchmarks.provenance import device_name, emit_json, stamp  # noqa: E402
 from benchmarks.published import train as published  # noqa: E402
+from infosieve_fast import checkpoint as ckpt  # noqa: E402
 from infosieve_fast.config import apply_overrides, from_dict  # noqa: E402
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment  # noqa: E402
 from infosieve_fast.data.base import Batch  # noqa: E402
 from infosieve_fast.data.memory import InMemoryGCD  # noqa: E402
 from infosieve_fast.data.splits import gcd_split  # noqa: E402
-from infosieve_fast.engine import LossMonitor, Trainer  # noqa: E402
+from infosieve_fast.engine import FeatureSet, LossMonitor, Trainer  # noqa: E402
 
 FAST_VARIANTS = {
     "fast_default": [],
@@ -66,9 +101,35 @@ FAST_VARIANTS = {
     "fast_compile": ["train.compile=true"],
     "fast_all": ["train.frozen_bf16=true", "train.compile=true"],
 }
-PUBLISHED_VARIANTS = {"published_fp32": False, "published_bf16": True}
-CUDA_ONLY = {"fast_compile", "fast_all"}
+PUBLISHED_VARIANTS = {"published_fp32": False, "published_bf16": True}  # the value: bf16 autocast
+REPORT_ORDER = (
+    "fast_default", "published_bf16", "published_fp32", "fast_frozen_bf16", "fast_checkpoint", "fast_compile",
+    "fast_all",
+)  # fmt: skip
+DEFAULT, FAIREST_BASELINE = "fast_default", "published_bf16"
+CUDA_ONLY = dict.fromkeys(("fast_compile", "fast_all"), "needs CUDA: train.compile=true (torch.compile) is CUDA only")
 KMEANS_INITS = 10  # the published and the default n_init
+
+# Dense bf16 tensor-core peak (TFLOPS) by a case-insensitive substring of the CUDA device name; the first match wins.
+DATASHEET_SOURCE = "NVIDIA datasheet, dense, no sparsity"
+DATASHEET_BF16_TFLOPS = (
+    ("NVL", None),  # H100 NVL / H200 NVL: other clocks and power than the SXM parts, not tabulated here
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),  # H100 SXM5, named "NVIDIA H100 80GB HBM3" by CUDA
+    ("H200", 989.4),
+    ("A100", 312.0),
+    ("L40S", 362.05),
+)
+
+# Smoke size (benchmarks/smoke.py, INFOSIEVE_BENCH_SMOKE=1): the steps always; every size the command leaves at its
+# default, the backbone and its input geometry as one group (a command that names its backbone keeps its crop).
+SMOKE_STEPS = {"steps": 2, "warmup": 1}
+SMOKE_GEOMETRY = {
+    "backbone": "vit_tiny_patch16_224", "backbone_kwargs": '{"img_size": 32}', "crop": 32, "image_size": 40,
+}  # fmt: skip
+# A batch of 8: the published loss fails on a batch without a labelled sample (SupCon over no rows), as published.
+SMOKE_SIZES = {"batch": 8, "n_train": 32, "n_test": 16, "feature_batch": 16, "published_feature_batch": 16,
+               "proj_out_dim": 256, "n_classes": 8}  # fmt: skip
 
 
 def sync(device: torch.device) -> None:
@@ -83,6 +144,11 @@ def bf16_gemm_tflops(device: torch.device) -> float:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     times = time_calls(lambda: a @ b, device, warmup=3, repeats=10)
     return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def datasheet_bf16_tflops(name: str) -> float | None:
+    """The datasheet's dense bf16 peak of the device called `name` (`DATASHEET_BF16_TFLOPS`); None if not there."""
+    return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS if key.lower() in name.lower()), None)
 
 
 def time_calls(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
@@ -113,30 +179,35 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def failure(err: Exception) -> dict:
+    return {"error": f"{type(err).__name__}: {err}"[:2000]}
+
+
 # ------------------------------------------------------------------------------------------------------------ setup
 def fast_config(args, overrides: list[str]) -> object:
+    """The config of a fast variant. `data.source` stays unset: the benchmark hands the Trainer its own in-memory
+    source, so no source of the config is ever built or checked against the crop."""
     values = {
         "model": {
             "backbone": args.backbone, "grad_from_block": args.grad_from_block, "proj_out_dim": args.proj_out_dim,
             "backbone_kwargs": dict(args.backbone_kwargs),
         },
-        "data": {
-            "batch_size": args.batch, "feature_batch_size": args.feature_batch, "crop_size": args.crop,
-            "source": "digits",  # placeholder: the benchmark hands the Trainer its own in-memory source
-        },
+        "data": {"batch_size": args.batch, "feature_batch_size": args.feature_batch, "crop_size": args.crop},
         "train": {"device": str(args.device), "seed": args.seed},
     }  # fmt: skip
     return from_dict(apply_overrides(values, overrides))
 
 
-def gcd_set(n: int, n_classes: int, size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
-    """Random uint8 images [n, 3, size, size] on `device`, targets over `n_classes`, the first half known, half of
-    their images labelled (RandomState(0), as GCD splits)."""
-    g = torch.Generator(device=device).manual_seed(seed)
+def labelled_classes(n: int, n_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets `i % n_classes` of n samples, and the GCD split's labelled mask (the first half of the classes known,
+    half of their images labelled, RandomState(0))."""
     classes = torch.arange(n) % n_classes
     labelled, targets = gcd_split(classes.numpy(), list(range(n_classes // 2)), 0.5, 0)
-    images = torch.randint(0, 256, (n, 3, size, size), generator=g, dtype=torch.uint8, device=device)
-    return images, torch.from_numpy(targets).long(), torch.from_numpy(labelled)
+    return torch.from_numpy(targets).long(), torch.from_numpy(labelled)
+
+
+def random_images(n: int, size: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (n, 3, size, size), generator=generator, dtype=torch.uint8, device=device)
 
 
 def step_batch(args, device: torch.device) -> tuple[Batch, torch.Tensor, int]:
@@ -152,9 +223,20 @@ def step_batch(args, device: torch.device) -> tuple[Batch, torch.Tensor, int]:
     return batch, pseudo.to(device), n_classes // 2
 
 
-def make_trainer(args, overrides: list[str], source: InMemoryGCD) -> Trainer:
+class StandInTrainer(Trainer):
+    """A Trainer whose feature passes run the network (and are timed) but hand the k-means `stand_in[uq]` (features
+    with class structure, see the module docstring) once `stand_in` is set."""
+
+    stand_in: torch.Tensor | None = None
+
+    def extract_features(self, view: str, seed: int = 0, embed=None) -> FeatureSet:
+        fs = super().extract_features(view, seed, embed)
+        return fs if self.stand_in is None else dataclasses.replace(fs, feats=self.stand_in[fs.uq])
+
+
+def make_trainer(args, overrides: list[str], source: InMemoryGCD, cls: type[Trainer] = Trainer) -> Trainer:
     torch.manual_seed(args.seed)
-    return Trainer(fast_config(args, overrides), source=source)
+    return cls(fast_config(args, overrides), source=source)
 
 
 def make_published(args, n_old: int, device: torch.device, weights_from: Trainer) -> published.PublishedLoop:
@@ -209,7 +291,7 @@ def count_step_flops(args, device: torch.device, batch: Batch, pseudo: torch.Ten
     return counter.get_total_flops()
 
 
-def bench_variant(args, device, variant, batch, pseudo, n_old, flops, peak_tflops) -> dict:
+def bench_variant(args, device, variant, batch, pseudo, n_old, flops: int, peaks: dict[str, float | None]) -> dict:
     free_memory(device)
     t0 = time.perf_counter()
     step, finish = step_functions(args, device, variant, batch, pseudo, n_old)
@@ -219,97 +301,252 @@ def bench_variant(args, device, variant, batch, pseudo, n_old, flops, peak_tflop
     free_memory(device)  # resets the peak: the steady-state peak of the timed steps is reported
     times = time_calls(step, device, args.warmup, args.steps)
     last_loss = finish()
-    ms = statistics.median(times) * 1e3
+    seconds = statistics.median(times)
     return {
-        "ms_per_step": ms,
+        "ms_per_step": seconds * 1e3,
         "ms_per_step_min": min(times) * 1e3,
         "ms_per_step_max": max(times) * 1e3,
-        "images_per_s": args.batch / (ms / 1e3),
+        "images_per_s": args.batch / seconds,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "mfu": flops / (ms / 1e3) / (peak_tflops * 1e12),
+        **{f"mfu_{name}": flops / seconds / (tflops * 1e12) if tflops else None for name, tflops in peaks.items()},
         "setup_and_first_step_s": first_s,
         "last_loss": last_loss,
     }
 
 
-class StepBench:
-    """The step variants on one shared batch; the FLOPs are counted once, from the published fp32 step."""
+def in_report_order(results: dict[str, dict]) -> dict[str, dict]:
+    return {v: results[v] for v in REPORT_ORDER if v in results}
 
-    def __init__(self, args, device: torch.device, peak_tflops: float):
-        self.args, self.device, self.peak = args, device, peak_tflops
+
+class StepBench:
+    """The step variants on one shared batch; the FLOPs are counted once, from the published fp32 step. `peaks`: the
+    bf16 rates MFU is reported against ({"measured_gemm": TFLOPS, "datasheet": TFLOPS or None})."""
+
+    def __init__(self, args, device: torch.device, peaks: dict[str, float | None]):
+        self.args, self.device, self.peaks = args, device, peaks
         self.batch, self.pseudo, self.n_old = step_batch(args, device)
         self.flops = count_step_flops(args, device, self.batch, self.pseudo, self.n_old)
         self.results: dict[str, dict] = {}
 
-    def run(self, variants: list[str], on_result: Callable[[dict], None]) -> None:
+    def run(self, variants: list[str], on_result: Callable[[], None]) -> None:
         for variant in variants:
             if variant in CUDA_ONLY and self.device.type != "cuda":
-                continue
-            try:
-                self.results[variant] = bench_variant(
-                    self.args, self.device, variant, self.batch, self.pseudo, self.n_old, self.flops, self.peak
-                )
-            except Exception as err:  # one variant failing (e.g. torch.compile) must not cost the others' numbers
-                self.results[variant] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+                self.results[variant] = {"skipped": CUDA_ONLY[variant]}
+            else:
+                try:
+                    self.results[variant] = bench_variant(
+                        self.args, self.device, variant, self.batch, self.pseudo, self.n_old, self.flops, self.peaks
+                    )
+                except Exception as err:  # one variant failing (e.g. torch.compile) must not cost the others' numbers
+                    self.results[variant] = failure(err)
             print(f"{variant:18s} {self.results[variant]}", file=sys.stderr, flush=True)
-            on_result(self.report())
+            on_result()
 
     def report(self) -> dict:
-        return {"flops_per_step": self.flops, "variants": self.results}
+        return {"flops_per_step": self.flops, "variants": in_report_order(self.results)}
 
 
 # ------------------------------------------------------------------------------------------------------------ epoch
-def bench_epoch(args, device: torch.device, variant: str) -> dict:
-    images, targets, labelled = gcd_set(args.n_train, args.n_classes, args.image_size, device, args.seed)
-    n_old = args.n_classes // 2
-    source = InMemoryGCD(images, targets.to(device), labelled.to(device), n_old, None)
-    trainer = make_trainer(args, FAST_VARIANTS[variant], source)
+@dataclasses.dataclass
+class EpochData:
+    """The epoch benchmark's train set (on the device) and test split (images on the device, targets on the CPU, as
+    the published test loader delivers them)."""
+
+    images: torch.Tensor
+    targets: torch.Tensor
+    labelled: torch.Tensor
+    test_images: torch.Tensor
+    test_targets: torch.Tensor
+
+
+def epoch_data(args, device: torch.device) -> EpochData:
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    targets, labelled = labelled_classes(args.n_train, args.n_classes)
+    images = random_images(args.n_train, args.image_size, device, g)
+    test_images = random_images(args.n_test, args.image_size, device, g)
+    test_targets = torch.arange(args.n_test) % args.n_classes
+    return EpochData(images, targets.to(device), labelled.to(device), test_images, test_targets)
+
+
+def clustered_features(targets: torch.Tensor, means: torch.Tensor, noise: float, generator: torch.Generator):
+    """L2-normalise(means[target] + noise * N(0, I)) per sample [len(targets), D] (CPU): features with class
+    structure."""
+    draws = torch.randn(len(targets), means.shape[1], generator=generator)
+    return F.normalize(means[targets.cpu()] + noise * draws, dim=1)
+
+
+def stand_in_features(args, data: EpochData, feat_dim: int, code_length: int) -> published.StandIns:
+    """What every k-means of the epoch benchmark clusters (see the module docstring), seeded with `--seed`, on the
+    device: class means on the unit sphere, shared by the train and test features, and their noisy samples."""
+    g = torch.Generator().manual_seed(args.seed)
+    feat_means = F.normalize(torch.randn(args.n_classes, feat_dim, generator=g), dim=1)
+    code_means = F.normalize(torch.randn(args.n_classes, code_length, generator=g), dim=1)
+    noise = args.stand_in_noise
+    train = clustered_features(data.targets, feat_means, noise, g)
+    codes = clustered_features(data.targets, code_means, noise, g)
+    test = clustered_features(data.test_targets, feat_means, noise, g)
+    device = data.images.device
+    return published.StandIns(train.to(device), codes.to(device), test.to(device))
+
+
+def time_fast_epoch(trainer: Trainer, device: torch.device) -> dict:
+    """A warm-up epoch of 2 steps (every kernel and k-means path once), then one whole epoch, then the checkpoint
+    `infosieve train` writes after it."""
     trainer.cfg.train.max_steps_per_epoch = 2
-    trainer.train_epoch(0)  # warm-up: every kernel and k-means path once
+    trainer.train_epoch(0)
     trainer.cfg.train.max_steps_per_epoch = None
     sync(device)
     t0 = time.perf_counter()
     record = trainer.train_epoch(1)
     sync(device)
-    fast_s = time.perf_counter() - t0
+    epoch_s = time.perf_counter() - t0
+    if not math.isfinite(record["loss_total"]):
+        raise RuntimeError("non-finite loss in the fast epoch")
+    with tempfile.TemporaryDirectory() as run_dir:
+        t0 = time.perf_counter()
+        ckpt.save_checkpoint(run_dir, trainer.state_dict(2, {}))
+        checkpoint_s = time.perf_counter() - t0
+    return {
+        "steps": record["steps"],
+        "epoch_seconds": epoch_s,
+        "phase_seconds": {k: record[f"seconds_{k}"] for k in ("features", "kmeans", "steps")},
+        "checkpoint_seconds": checkpoint_s,
+        "epoch_with_checkpoint_seconds": epoch_s + checkpoint_s,
+        "projected_200_epochs_minutes": 200 * epoch_s / 60,
+    }
 
+
+def time_published_epoch(args, loop: published.PublishedLoop, data: EpochData, stand_ins: published.StandIns,
+                         epoch: int, as_released: bool) -> dict:  # fmt: skip
+    """One published epoch on the loop's current weights, its phases and their projections (k-means restarts to 10,
+    `--as-released-subset` phases to the full size)."""
+    device = data.images.device
+    augment = DeviceAugment(AugmentConfig(args.crop))
+    inits = args.ref_kmeans_inits
+    kwargs = dict(
+        batch_size=args.batch, epoch=epoch, epochs=200, augment=augment.train_views,
+        generator=torch.Generator(device=device).manual_seed(args.seed + epoch),
+        sampler_generator=torch.Generator().manual_seed(args.seed + epoch),
+        feature_batch_size=args.published_feature_batch, stand_ins=stand_ins,
+        kmeans_kwargs={"n_init": inits, "max_iter": 10, "sqdist_mode": "broadcast", "random_state": args.seed},
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as save_dir:
+        if as_released:
+            test = (data.test_images, data.test_targets, augment.test_view)
+            kwargs["released"] = published.ReleasedWork(*test, save_dir)
+            kwargs["max_images"] = args.as_released_subset
+        sync(device)
+        t0 = time.perf_counter()
+        result = published.published_epoch(loop, data.images, data.targets, data.labelled, args.n_classes, **kwargs)
+        losses = [float(v) for v in result.losses]
+        sync(device)
+        measured_s = time.perf_counter() - t0
+    if not all(math.isfinite(v) for v in losses):
+        raise RuntimeError(f"non-finite loss in the published epoch {epoch}")
+    factors = {k: f for k, f in {**result.scale, "kmeans": KMEANS_INITS / inits}.items() if f != 1}
+    phases = {k: s * factors.get(k, 1.0) for k, s in result.seconds.items()}
+    seconds = measured_s + sum(phases.values()) - sum(result.seconds.values())
+    out = {
+        "seconds": seconds,
+        "measured_seconds": measured_s,
+        "phase_seconds": phases,
+        "phase_seconds_measured": result.seconds,
+        "projection_factors": factors,
+        "kmeans_restarts_measured": inits,
+        "subset_images": kwargs.get("max_images"),
+        "steps_measured": len(losses),
+        "projected_200_epochs_minutes": 200 * seconds / 60,
+    }
+    if as_released:
+        out.update(step_log=result.step_log, accuracies=result.accuracies)
+    return out
+
+
+def bench_epoch(args, data: EpochData, variant: str) -> dict:
+    """One fast epoch of `variant`, then the two published epochs on the weights it left (see the module docstring)."""
+    device = data.images.device
+    n_old = args.n_classes // 2
+    source = InMemoryGCD(data.images, data.targets, data.labelled, n_old, None)
+    trainer = make_trainer(args, FAST_VARIANTS[variant], source, StandInTrainer)
+    stand_ins = stand_in_features(args, data, trainer.model.backbone.feat_dim, trainer.cfg.model.code_length)
+    trainer.stand_in = stand_ins.train
+    fast = time_fast_epoch(trainer, device)
     loop = make_published(args, n_old, device, trainer)
     del trainer
     free_memory(device)
-    augment = DeviceAugment(AugmentConfig(args.crop))
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    inits = args.ref_kmeans_inits
-    kmeans_kwargs = {"n_init": inits, "max_iter": 10, "sqdist_mode": "broadcast", "random_state": 0}
-    sync(device)
-    t0 = time.perf_counter()
-    result = published.published_epoch(
-        loop, images, targets, labelled, args.n_classes, batch_size=args.batch, epoch=1, epochs=200, augment=augment.
-        train_views, generator=gen, sampler_generator=torch.Generator().manual_seed(args.seed),
-        feature_batch_size=args.published_feature_batch, kmeans_kwargs=kmeans_kwargs,
-    )  # fmt: skip
-    losses = [float(v) for v in result.losses]
-    sync(device)
-    measured_s = time.perf_counter() - t0
-    kmeans_s = result.seconds["kmeans"]
-    published_s = measured_s + kmeans_s * (KMEANS_INITS - inits) / inits
-    if not all(math.isfinite(v) for v in losses) or not math.isfinite(record["loss_total"]):
-        raise RuntimeError("non-finite loss in the epoch benchmark")
     return {
         "variant": variant,
         "n_train": args.n_train,
-        "steps": record["steps"],
-        "published_steps": len(losses),
-        "epoch_seconds": fast_s,
-        "phase_seconds": {k: record[f"seconds_{k}"] for k in ("features", "kmeans", "steps")},
-        "published_epoch_seconds": published_s,
-        "published_epoch_measured_seconds": measured_s,
-        "published_phase_seconds_measured": result.seconds,
-        "published_kmeans_seconds_per_restart": kmeans_s / inits,
-        "published_kmeans_restarts_measured": inits,
-        "speedup": published_s / fast_s,
-        "projected_200_epochs_minutes": 200 * fast_s / 60,
-        "published_projected_200_epochs_minutes": 200 * published_s / 60,
+        "n_test": args.n_test,
+        **fast,
+        "published_epoch_minimal": time_published_epoch(args, loop, data, stand_ins, 1, as_released=False),
+        "published_epoch_as_released": time_published_epoch(args, loop, data, stand_ins, 2, as_released=True),
     }
+
+
+# ----------------------------------------------------------------------------------------------------------- summary
+def at(report: dict, path: str):
+    """The value at a dotted `path` of the report, None where it is absent."""
+    value = report
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def ratio(report: dict, numerator: str, denominator: str) -> dict:
+    """{"value": report[numerator] / report[denominator] (None unless both are there and non-zero), and the paths}."""
+    num, den = at(report, numerator), at(report, denominator)
+    value = num / den if isinstance(num, (int, float)) and isinstance(den, (int, float)) and num and den else None
+    return {"value": value, "numerator": numerator, "denominator": denominator}
+
+
+def step_ratio(report: dict, baseline: str, variant: str, key: str = "ms_per_step") -> dict:
+    """A step speedup: the baseline's `key` over the variant's (for memory pass them the other way round)."""
+    return ratio(report, f"step.variants.{baseline}.{key}", f"step.variants.{variant}.{key}")
+
+
+def epoch_ratios(report: dict, variant: str) -> dict[str, dict]:
+    """The epoch speedups of `variant` against the published epochs measured alongside it: the minimal one against
+    the fast epoch, the as-released one against the fast epoch with its checkpoint (each what a user waits for)."""
+    e = f"epoch.{variant}"
+    return {
+        "vs_published_minimal": ratio(report, f"{e}.published_epoch_minimal.seconds", f"{e}.epoch_seconds"),
+        "vs_published_as_released": ratio(
+            report, f"{e}.published_epoch_as_released.seconds", f"{e}.epoch_with_checkpoint_seconds"
+        ),
+    }
+
+
+def summarise(report: dict) -> dict:
+    """The figures runs are compared by: the default against its fairest baseline first, then the fastest variants."""
+    ok = {k: r for k, r in report["step"].get("variants", {}).items() if "ms_per_step" in r}
+    epochs = {k: e for k, e in report["epoch"].items() if "epoch_seconds" in e}
+    fastest = min((k for k in FAST_VARIANTS if k in ok), key=lambda k: ok[k]["ms_per_step"], default=None)
+    best = min(epochs, key=lambda k: epochs[k]["epoch_seconds"], default=None)
+    s = {"default_variant": DEFAULT}
+    for base in (FAIREST_BASELINE, "published_fp32"):
+        s[f"step_speedup_vs_{base}"] = step_ratio(report, base, DEFAULT)
+        s[f"peak_memory_ratio_vs_{base}"] = step_ratio(report, DEFAULT, base, "peak_memory_gib")
+    s["step_mfu_measured_gemm"] = at(report, f"step.variants.{DEFAULT}.mfu_measured_gemm")
+    s["step_mfu_datasheet"] = at(report, f"step.variants.{DEFAULT}.mfu_datasheet")
+    s["epoch_seconds"] = at(report, f"epoch.{DEFAULT}.epoch_seconds")
+    s.update({f"epoch_speedup_{k}": r for k, r in epoch_ratios(report, DEFAULT).items()})
+    s["projected_200_epochs_minutes"] = at(report, f"epoch.{DEFAULT}.projected_200_epochs_minutes")
+    s["fastest_step_variant"] = fastest
+    for base in (FAIREST_BASELINE, "published_fp32"):
+        s[f"fastest_step_speedup_vs_{base}"] = step_ratio(report, base, fastest) if fastest else None
+    s["fastest_step_peak_memory_ratio_vs_published_fp32"] = (
+        step_ratio(report, fastest, "published_fp32", "peak_memory_gib") if fastest else None
+    )
+    s["fastest_step_mfu_measured_gemm"] = ok[fastest]["mfu_measured_gemm"] if fastest else None
+    s["fastest_step_mfu_datasheet"] = ok[fastest]["mfu_datasheet"] if fastest else None
+    s["fastest_epoch_variant"] = best
+    s["fastest_epoch_seconds"] = epochs[best]["epoch_seconds"] if best else None
+    s.update({f"fastest_epoch_speedup_{k}": r if best else None for k, r in epoch_ratios(report, best).items()})
+    s["fastest_projected_200_epochs_minutes"] = epochs[best]["projected_200_epochs_minutes"] if best else None
+    return s
 
 
 # ------------------------------------------------------------------------------------------------------------- main
@@ -326,111 +563,118 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-classes", type=int, default=200)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--variants", default=None, help="comma list; default: all that run on the device")
-    p.add_argument("--epoch", action="store_true", help="also time a whole epoch against the published epoch")
-    p.add_argument("--epoch-variants", default="fast_default", help="comma list of fast variants for --epoch")
-    p.add_argument("--n-train", type=int, default=5994)
+    p.add_argument("--variants", default=None, help="comma list; default: all (those needing CUDA skipped on the CPU)")
+    p.add_argument("--epoch", action="store_true", help="also time a whole epoch against the published epochs")
+    p.add_argument("--epoch-variants", default=DEFAULT, help="comma list of fast variants for --epoch")
+    p.add_argument("--n-train", type=int, default=5994, help="--epoch: train images (CUB's)")
+    p.add_argument("--n-test", type=int, default=5794, help="--epoch: test-split images (CUB's)")
     p.add_argument("--feature-batch", type=int, default=1024, help="infosieve-fast's feature-pass batch")
     p.add_argument("--published-feature-batch", type=int, default=128, help="the published feature pass's batch")
-    p.add_argument("--ref-kmeans-inits", type=int, default=1)
+    p.add_argument("--ref-kmeans-inits", type=int, default=1, help="published pseudo-label k-means restarts run")
+    p.add_argument("--as-released-subset", type=int, default=None, metavar="IMAGES",
+                   help="run the as-released published epoch's passes and steps over IMAGES images and project them "
+                        "to the full size (default: run them in full)")  # fmt: skip
+    p.add_argument("--stand-in-noise", type=float, default=0.03,
+                   help="--epoch: per-coordinate noise of the features every k-means clusters (larger: classes overlap "
+                        "more, the k-means converge later); 0.03 is bench_kmeans' recipe")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if smoke.active():
+        geometry = SMOKE_GEOMETRY if all(getattr(args, k) == p.get_default(k) for k in SMOKE_GEOMETRY) else {}
+        sizes = {k: v for k, v in SMOKE_SIZES.items() if getattr(args, k) == p.get_default(k)}
+        args = smoke.shrink(args, **SMOKE_STEPS, **geometry, **sizes)
+    return check_args(p, args)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Resolve the device, the JSON and the variant lists; refuse what cannot run, naming the flag."""
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.device = torch.device(args.device)
-    args.backbone_kwargs = json.loads(args.backbone_kwargs)
-    known = [*PUBLISHED_VARIANTS, *FAST_VARIANTS]
-    args.variants = args.variants.split(",") if args.variants else known
+    try:
+        args.backbone_kwargs = json.loads(args.backbone_kwargs)
+    except json.JSONDecodeError as err:
+        p.error(f"--backbone-kwargs must be a JSON dict, e.g. '{{\"img_size\": 64}}': {err}")
+    args.variants = args.variants.split(",") if args.variants else list(REPORT_ORDER)
     args.epoch_variants = args.epoch_variants.split(",")
-    unknown = sorted(set(args.variants + args.epoch_variants) - set(known))
+    unknown = sorted(set(args.variants + args.epoch_variants) - set(REPORT_ORDER))
     if unknown:
-        p.error(f"unknown variant(s) {unknown}: choose from {known}")
+        p.error(f"unknown variant(s) {unknown}: choose from {list(REPORT_ORDER)}")
     if not set(args.epoch_variants) <= set(FAST_VARIANTS):
         p.error(f"--epoch-variants takes fast variants only: {list(FAST_VARIANTS)}")
     if not 1 <= args.ref_kmeans_inits <= KMEANS_INITS:
         p.error(f"--ref-kmeans-inits must be in 1..{KMEANS_INITS}")
+    if args.crop > args.image_size:
+        p.error(f"--crop {args.crop} is larger than the stored --image-size {args.image_size}: raise --image-size")
+    if args.n_classes < 2:
+        p.error(f"--n-classes must be >= 2 (half of them known), got {args.n_classes}")
+    if args.epoch and args.n_train < args.batch:
+        p.error(f"--n-train {args.n_train} holds no full batch of --batch {args.batch}: raise --n-train")
+    if args.epoch and args.n_test < args.n_classes:
+        p.error(f"--n-test {args.n_test} is below --n-classes {args.n_classes} (kmeans_pytorch needs K points)")
+    if args.stand_in_noise < 0:
+        p.error(f"--stand-in-noise must be >= 0, got {args.stand_in_noise}")
+    if args.as_released_subset is not None and args.as_released_subset < 1:
+        p.error(f"--as-released-subset must be >= 1 image, got {args.as_released_subset}")
     return args
-
-
-def summarise(steps: dict, epochs: list[dict]) -> dict:
-    v = {k: r for k, r in steps.get("variants", {}).items() if "error" not in r}
-    epochs = [e for e in epochs if "error" not in e]
-    fast = [k for k in FAST_VARIANTS if k in v]
-    fastest = min(fast, key=lambda k: v[k]["ms_per_step"]) if fast else None
-
-    def ratio(num: str, den: str, key: str) -> float | None:
-        if num in v and den in v and v[num][key] and v[den][key]:
-            return v[num][key] / v[den][key]
-        return None
-
-    default_epoch = next((e for e in epochs if e["variant"] == "fast_default"), None)
-    best_epoch = min(epochs, key=lambda e: e["epoch_seconds"]) if epochs else None
-    return {
-        "step_speedup_vs_published_fp32": ratio("published_fp32", "fast_default", "ms_per_step"),
-        "step_speedup_vs_published_bf16": ratio("published_bf16", "fast_default", "ms_per_step"),
-        "peak_memory_ratio_vs_published_fp32": ratio("fast_default", "published_fp32", "peak_memory_gib"),
-        "step_mfu": v["fast_default"]["mfu"] if "fast_default" in v else None,
-        "epoch_seconds": default_epoch["epoch_seconds"] if default_epoch else None,
-        "published_epoch_seconds": best_epoch["published_epoch_seconds"] if best_epoch else None,
-        "projected_200_epochs_minutes": default_epoch["projected_200_epochs_minutes"] if default_epoch else None,
-        "fastest_step_variant": fastest,
-        "fastest_step_speedup_vs_published_fp32": ratio("published_fp32", fastest, "ms_per_step") if fastest else None,
-        "fastest_step_speedup_vs_published_bf16": ratio("published_bf16", fastest, "ms_per_step") if fastest else None,
-        "fastest_step_mfu": v[fastest]["mfu"] if fastest else None,
-        "fastest_step_peak_memory_ratio_vs_published_fp32": ratio(fastest, "published_fp32", "peak_memory_gib")
-        if fastest
-        else None,
-        "fastest_epoch_variant": best_epoch["variant"] if best_epoch else None,
-        "fastest_epoch_seconds": best_epoch["epoch_seconds"] if best_epoch else None,
-        "fastest_projected_200_epochs_minutes": best_epoch["projected_200_epochs_minutes"] if best_epoch else None,
-    }
 
 
 def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: None) -> dict:
     """The whole benchmark; `emit(report)` is called after every variant, so a run cut short keeps what it measured."""
     device = args.device
-    commit, dirty = git_state()
     torch.backends.cuda.matmul.allow_tf32 = False  # torch's default, stated: the fp32 baseline is true fp32
+    name = device_name(device)
     report = {
         "benchmark": "bench_train",
+        **stamp(),
         "command": " ".join(["python", "benchmarks/bench_train.py", *sys.argv[1:]]),
-        "commit": commit,
-        "dirty": dirty,
-        "device": device_name(device),
+        "device": name,
         "torch": torch.__version__,
-        "settings": {k: (str(v) if isinstance(v, torch.device) else v) for k, v in vars(args).items() if k != "json"},
-        "bf16_gemm_tflops": bf16_gemm_tflops(device),
         "summary": {},
+        "bf16_gemm_tflops": bf16_gemm_tflops(device),
+        "bf16_datasheet_tflops": datasheet_bf16_tflops(name) if device.type == "cuda" else None,
+        "bf16_datasheet_source": DATASHEET_SOURCE,
+        "settings": {k: (str(v) if isinstance(v, torch.device) else v) for k, v in vars(args).items() if k != "json"},
         "step": {},
-        "epoch": [],
+        "epoch": {},
         "notes": (
             "baseline: benchmarks/published/train.py (published model, loss and SGD; fp32 or bf16 autocast; "
-            "loss.item() per step as the published loop logs it). Same uint8 batch, same device augmentation and "
-            "same initial weights on both sides. Step times: median between CUDA events (wall clock on the CPU). "
-            "MFU against the bf16 GEMM rate measured here. Published epoch: measured with ref_kmeans_inits "
-            "k-means restarts, plus one restart's time for each missing restart up to 10."
+            "loss.item() per step). Same uint8 batch, same device augmentation and same initial weights on both "
+            "sides. Step times: median between CUDA events (wall clock on the CPU). MFU against the bf16 GEMM rate "
+            "measured here (mfu_measured_gemm) and against the datasheet peak (mfu_datasheet). Epochs: every k-means "
+            "clusters seeded synthetic features with class structure of the real size; the feature passes run the "
+            "network. Published epochs: minimal (features, k-means, steps) and as released (+ codes and their "
+            "k-means, per-step .item() records, the test-split pass and 3 kmeans_pytorch runs, scoring, 3 "
+            "torch.saves); the pseudo-label k-means measured with ref_kmeans_inits restarts and projected to 10; "
+            "with as_released_subset, the as-released passes and steps projected from that many images. Every "
+            "summary ratio names the report paths of its numerator and denominator."
         ),
     }
+    steps = StepBench(args, device, {"measured_gemm": report["bf16_gemm_tflops"],
+                                     "datasheet": report["bf16_datasheet_tflops"]})  # fmt: skip
 
-    def update(steps: dict | None = None) -> None:
-        if steps is not None:
-            report["step"] = steps
-        report["summary"] = summarise(report["step"], report["epoch"])
+    def update() -> None:
+        report["step"] = steps.report()
+        report["epoch"] = in_report_order(report["epoch"])
+        report["summary"] = summarise(report)
         emit(report)
 
-    steps = StepBench(args, device, report["bf16_gemm_tflops"])
     # The torch.compile variants compile for a minute or more: they run last, after the epochs, so a run cut short by a
     # time limit keeps every other number.
     steps.run([v for v in args.variants if v not in CUDA_ONLY], update)
     if args.epoch:
+        data = epoch_data(args, device)
         for variant in args.epoch_variants:
             free_memory(device)
-            try:
-                report["epoch"].append(bench_epoch(args, device, variant))
-            except Exception as err:
-                report["epoch"].append({"variant": variant, "error": f"{type(err).__name__}: {err}"[:2000]})
-            print(f"epoch {variant}: {report['epoch'][-1]}", file=sys.stderr, flush=True)
+            if variant in CUDA_ONLY and device.type != "cuda":
+                report["epoch"][variant] = {"variant": variant, "skipped": CUDA_ONLY[variant]}
+            else:
+                try:
+                    report["epoch"][variant] = bench_epoch(args, data, variant)
+                except Exception as err:
+                    report["epoch"][variant] = {"variant": variant, **failure(err)}
+            print(f"epoch {variant}: {report['epoch'][variant]}", file=sys.stderr, flush=True)
             update()
     steps.run([v for v in args.variants if v in CUDA_ONLY], update)
     return report
@@ -438,14 +682,8 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-
-    def write(report: dict) -> None:
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-
-    report = run(args, write)
-    print(json.dumps(report, indent=2))
+    report = run(args, lambda r: emit_json(r, args.json, echo=False))
+    emit_json(report, args.json)
     return report
 
 
