@@ -32,7 +32,8 @@ from infosieve_fast import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CALLS = ("python ", "python3 ", "infosieve ", "torchrun ", "bash ", "GPU_CHECK_COMMIT=", "PYTHONPATH=")
+CALLS = ("python ", "python3 ", "infosieve ", "torchrun ", "bash ", "GPU_CHECK_COMMIT=", "INFOSIEVE_BENCH_SMOKE=",
+         "PYTHONPATH=")
 ONE_EPOCH = ["--set", "schedule.epochs=1", "--set", "kmeans.n_init=1"]
 
 
@@ -60,7 +61,9 @@ PLAN = [
     Entry(r"python benchmarks/bench_kmeans\.py --device cuda .*", "gpu", "CUDA: benchmarks/gpu_check.sh runs it, "
           "and its CPU rehearsal runs here (the gpu_check.sh entry)"),  # fmt: skip
     Entry(r"python benchmarks/\w+\.py.*", "run"),
-    Entry(r"GPU_CHECK_COMMIT=\$\(git rev-parse HEAD\) RESULTS_DIR=\S+ bash benchmarks/gpu_check\.sh", "run"),
+    Entry(r"(GPU_CHECK_COMMIT=\$\(git rev-parse HEAD\) RESULTS_DIR=\S+ |INFOSIEVE_BENCH_SMOKE=1 )"
+          r"bash benchmarks/gpu_check\.sh", "run"),
+    Entry(r"python -m benchmarks\.provenance( --commit \S+)?", "run"),
 ]
 
 
@@ -68,25 +71,26 @@ def documented_commands() -> list[tuple[str, str]]:
     """(where, command) for every command in the docs, in order of appearance."""
     found = []
     for doc in DOCS:
-        lines = doc.read_text().splitlines()
-        fenced, pending = None, ""
-        for number, line in enumerate(lines, 1):
-            where = f"{doc.relative_to(ROOT)}:{number}"
+        prose, fenced, pending = [], None, ""
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
             if line.startswith("```"):
                 fenced = line[3:].strip() if fenced is None else None
+                prose.append("")
                 continue
+            prose.append(line if fenced is None else "")
             if fenced == "bash":
                 text = pending + re.sub(r"\s+#.*$", "", line).strip()
                 if text.endswith("\\"):
                     pending = text[:-1].strip() + " "
                 elif text and not text.startswith("#"):
-                    found.append((where, text))
+                    found.append((f"{doc.relative_to(ROOT)}:{number}", text))
                     pending = ""
-            elif fenced is None:
-                for span in re.findall(r"`([^`]+)`", line):
-                    if span.startswith(CALLS) and len(span.split()) > 2:
-                        found.append((where, span))
-    return found
+        text = "\n".join(prose)
+        for span in re.finditer(r"`([^`]+)`", text):  # a span may wrap onto the next line
+            command = " ".join(span.group(1).split())
+            if command.startswith(CALLS) and len(command.split()) > 2:
+                found.append((f"{doc.relative_to(ROOT)}:{text.count(chr(10), 0, span.start()) + 1}", command))
+    return sorted(found, key=lambda item: (item[0].split(":")[0], int(item[0].split(":")[1])))
 
 
 def entry_for(command: str) -> Entry | None:
@@ -139,6 +143,11 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
     command = re.sub(r"--plots \S+", f"--plots {out}/plots", command)
     command = re.sub(r"(?<=--out )runs/\S+", str(out / "runs"), command)
     command = command.replace("$OUT", str(out)).replace("$(git rev-parse HEAD)", "smoke")
+    command = re.sub(r"--commit C$", "--commit HEAD", command)
+    if "bench_tree" in command and "--out" not in command and "--diagnose" not in command:
+        # the ablation's cached backbone views are shared by its commands; each bench_tree command trains its own runs
+        shared = Path(bound["tmp"]) / "bench_tree_ablation"
+        command += f" --out {shared if 'bench_tree_ablation' in command else out / 'runs'}"
     if command.startswith("infosieve train --config"):
         command += f" {shlex.join(ONE_EPOCH)}" + ("" if "--out" in command else f" --out {out}/run")
     return command
@@ -159,6 +168,7 @@ def _unique(commands: list[tuple[str, str]]) -> list[tuple[str, str]]:
     seen, out = set(), []
     for where, command in commands:
         key = re.sub(r"--out /tmp/demo_\w+|--json \S+|--out \S+\.json", "", command).strip()
+        key = re.sub(r"^(\w+=(\$\([^)]*\)|\S+)\s+)+", "", key)  # the environment a command is shown with
         if key not in seen:
             seen.add(key)
             out.append((where, command))
