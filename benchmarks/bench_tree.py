@@ -81,7 +81,7 @@ def refuse_other_config(cfg, run_dir: Path) -> None:
 def run_one(cfg, run_dir: Path, depth: int) -> dict:
     """Train `cfg` in `run_dir`, resume it there if it was killed, or reuse it if it finished; then read what the run
     holds. `refuse_other_config` has checked the folder."""
-    from infosieve_fast.engine import code_tree, train
+    from infosieve_fast.run_folder import code_tree, train
 
     done = (run_dir / "metrics.json").is_file()
     start = time.perf_counter()

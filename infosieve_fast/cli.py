@@ -16,7 +16,7 @@ class UsageError(ValueError):
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .engine import train
+    from .run_folder import train
 
     overrides = list(args.set)
     if args.data_shards:
@@ -67,7 +67,7 @@ def _interruptible(run, run_dir: Path) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .engine import print_table, trainer_from_run
+    from .run_folder import print_table, trainer_from_run
 
     trainer = trainer_from_run(args.run)
     if args.split == "test":
@@ -87,7 +87,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _tree(args: argparse.Namespace) -> int:
     from .checkpoint import write_json
     from .code_metrics import format_code_measures
-    from .engine import code_tree
+    from .run_folder import code_tree
     from .tree import format_tree
 
     tree = code_tree(args.run, args.depth)
@@ -128,7 +128,7 @@ def _estimate_k(args: argparse.Namespace) -> int:
         feats, targets, labelled = load_features(args.features, args.known_classes)
         n_old = args.known_classes
     else:
-        from .engine import trainer_from_run
+        from .run_folder import trainer_from_run
 
         trainer = trainer_from_run(args.run)
         fs = trainer.extract_features("test")

@@ -6,18 +6,15 @@ checkpoint repeats the uninterrupted run's schedule, sampling, augmentation and 
 Under torchrun (one process per GPU, `torch.distributed` initialised) the model is wrapped in DistributedDataParallel;
 each rank runs the feature pass on its share of the train set, the semi-supervised k-means runs on the shards (exact:
 the global clustering) and the pseudo-label and evaluation tables are all-gathered, so every rank holds the complete
-table and the same All/Old/New. `data.batch_size` is per rank. Only rank 0 writes the run folder and prints.
+table and the same All/Old/New. `data.batch_size` is per rank. `run_folder.py` runs the Trainer in a run folder.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import shlex
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -25,7 +22,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import distributed as dist
-from .config import Config, ConfigError, config_drift, save_config
+from .config import Config, ConfigError
 from .data import InMemoryGCD, build_source
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.base import Batch, GCDSource
@@ -34,7 +31,6 @@ from .loss import InfoSieveLoss, check_labelled_targets
 from .metrics import evaluate_split
 from .model import Backbone, InfoSieve
 from .schedule import epoch_schedule
-from .tree import build_tree, code_strings
 
 
 class NonFiniteLoss(RuntimeError):
@@ -174,6 +170,36 @@ def build_optimizer(model: torch.nn.Module, o, device: torch.device) -> torch.op
     return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, **impl)
 
 
+def build_model(cfg: Config, n_old: int, backbone: Backbone | None, pretrained: bool) -> InfoSieve:
+    """The InfoSieve of `cfg`: `model`, train.frozen_bf16 / checkpoint_blocks / kernels, loss.labeller_grad_stop.
+    `pretrained=False` builds the backbone without `model.pretrained`, for a model a checkpoint fills (it holds every
+    weight, and the file may have moved since)."""
+    t = cfg.train
+    model_cfg = cfg.model if pretrained else dataclasses.replace(cfg.model, pretrained=None)
+    model = InfoSieve(model_cfg, n_old, backbone, t.frozen_bf16, t.checkpoint_blocks)
+    model.kernel_backend = t.kernels
+    model.labeller_grad_stop = cfg.loss.labeller_grad_stop
+    return model
+
+
+def check_source_fits(cfg: Config, source: GCDSource) -> None:
+    """An epoch needs one full global batch, and balanced k-means needs clusters that hold every train sample."""
+    per_step = cfg.data.batch_size * dist.get_world_size()
+    if per_step > source.n_train:
+        raise ValueError(
+            f"data.batch_size={cfg.data.batch_size} (x {dist.get_world_size()} ranks) is more than the "
+            f"{source.n_train} train samples, so an epoch has no full batch: lower data.batch_size"
+        )
+    km = cfg.kmeans
+    if km.cluster_size is not None and km.n_clusters != "auto":
+        k = km.n_clusters or source.n_classes
+        if km.cluster_size * k < source.n_train:
+            raise ConfigError(
+                f"kmeans.cluster_size={km.cluster_size} x {k} clusters holds fewer than the {source.n_train} "
+                f"train samples: set it >= {-(-source.n_train // k)}, or null for ceil(N / K)"
+            )
+
+
 def compile_model(model: InfoSieve, device: torch.device) -> None:
     """`train.compile`: compile the backbone's blocks and the projection head in place (state-dict keys unchanged).
     The blocks share one graph; the frozen and trained ones differ only in grad mode."""
@@ -185,32 +211,20 @@ def compile_model(model: InfoSieve, device: torch.device) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, source: GCDSource | None = None, backbone: Backbone | None = None):
+    """Training of `cfg` on `source` (built from `cfg.data` when None). `pretrained=False` for a trainer a checkpoint
+    fills (`load_state_dict`, `load_model_state`): its backbone is built without `model.pretrained`."""
+
+    def __init__(
+        self, cfg: Config, source: GCDSource | None = None, backbone: Backbone | None = None, *, pretrained: bool = True
+    ):
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         self.source = source if source is not None else build_source(cfg.data, cfg.train, self.device)
-        per_step = cfg.data.batch_size * dist.get_world_size()
-        if per_step > self.source.n_train:
-            raise ValueError(
-                f"data.batch_size={cfg.data.batch_size} (x {dist.get_world_size()} ranks) is more than the "
-                f"{self.source.n_train} train samples, so an epoch has no full batch: lower data.batch_size"
-            )
-        km = cfg.kmeans
-        if km.cluster_size is not None and km.n_clusters != "auto":
-            k = km.n_clusters or self.source.n_classes
-            if km.cluster_size * k < self.source.n_train:
-                raise ConfigError(
-                    f"kmeans.cluster_size={km.cluster_size} x {k} clusters holds fewer than the {self.source.n_train} "
-                    f"train samples: set it >= {-(-self.source.n_train // k)}, or null for ceil(N / K)"
-                )
+        check_source_fits(cfg, self.source)
         if self.device.type == "cuda" and isinstance(self.source, InMemoryGCD):
             self.source = self.source.to(self.device)  # small by definition; batches then never cross the bus
         torch.manual_seed(cfg.train.seed)
-        t = cfg.train
-        self.model = InfoSieve(cfg.model, self.source.n_old, backbone, t.frozen_bf16, t.checkpoint_blocks)
-        self.model.to(self.device)
-        self.model.kernel_backend = cfg.train.kernels
-        self.model.labeller_grad_stop = cfg.loss.labeller_grad_stop
+        self.model = build_model(cfg, self.source.n_old, backbone, pretrained).to(self.device)
         self.loss_fn = InfoSieveLoss(cfg.loss, self.source.n_old, backend=cfg.train.kernels)
         d = cfg.data
         self.augment = DeviceAugment(AugmentConfig(d.crop_size, d.hflip, tuple(d.mean), tuple(d.std), d.color_jitter))
@@ -462,9 +476,14 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        """Continue training from a checkpoint: `load_model_state`, then the optimizer state and the RNG."""
+        self.load_model_state(state)
         self.optimizer.load_state_dict(state["optimizer"])
         ckpt.restore_rng_state(state["torch_rng"])
+
+    def load_model_state(self, state: dict) -> None:
+        """A checkpoint's weights, k-means centres and K: what evaluating or reading a finished run needs."""
+        self.model.load_state_dict(state["model"])
         self.centers = state.get("centers")
         self.n_clusters = state.get("n_clusters")
 
@@ -474,260 +493,3 @@ def status_line(text: str) -> tqdm:
     k-means; it shows the time spent so far and disappears when closed."""
     return tqdm(total=0, desc=text, bar_format="{desc} ({elapsed})", leave=False, dynamic_ncols=True,
                 disable=not dist.is_main_process())  # fmt: skip
-
-
-def print_table(metrics: dict[str, dict[str, float]], protocol: str) -> None:
-    if not dist.is_main_process():
-        return
-    print(f"\n{'accuracy (' + protocol + ')':<16}{'All':>8}{'Old':>8}{'New':>8}")
-    for name, m in metrics.items():
-        print(f"{name:<16}{m['all']:>8.4f}{m['old']:>8.4f}{m['new']:>8.4f}")
-
-
-def train(
-    cfg: Config,
-    run_dir: str | Path,
-    *,
-    resume: bool = False,
-    source: GCDSource | None = None,
-    backbone: Backbone | None = None,
-    stop_after: Callable[[int], bool] | None = None,
-    overrides: Sequence[str] = (),
-) -> dict | None:
-    """Train (or resume) a run in `run_dir`; returns metrics.json's content, or None if `stop_after` ended it early.
-
-    `stop_after(epoch)` is asked after each epoch's checkpoint; True stops the run there (as a kill would).
-    Resuming, `cfg` must equal the checkpoint's config except for the keys named by `overrides` (the `--set KEY=VALUE`
-    strings already applied to `cfg`), which are recorded in RUN/resumes.jsonl and RUN/config.yaml; the backbone is
-    built without `model.pretrained` (the checkpoint holds every weight). A folder with no checkpoint yet (a run killed
-    before its first epoch ended) starts again from scratch, resumed or not.
-    Launched by torchrun (env WORLD_SIZE > 1) it starts the process group itself unless one exists; with a group,
-    every rank calls this with the same arguments (all ranks read the checkpoint to resume; rank 0 writes the folder).
-    """
-    with dist.process_group_from_env(wants_cuda(cfg.train.device)):
-        return _train(cfg, Path(run_dir), resume, source, backbone, stop_after, list(overrides))
-
-
-RESUMES = "resumes.jsonl"  # one line per resume: the epoch it continued at, the --set strings and what they changed
-# what a run killed before its first checkpoint can leave; a folder holding only these is started again
-_LEFTOVERS = {"config.yaml", "log.jsonl", RESUMES, "unreadable.json", "tensorboard"}
-
-
-def _recorded_overrides(run_dir: Path, epoch: int) -> dict:
-    """The changes that resumes at `epoch` recorded (config.yaml holds them, the checkpoint not yet)."""
-    changed: dict = {}
-    for record in ckpt.read_log(run_dir / RESUMES):
-        if record.get("epoch") == epoch:
-            changed.update({k: v[1] for k, v in record.get("changed", {}).items()})
-    return changed
-
-
-def _check_drift(cfg: Config, state: dict, run_dir: Path, overrides: list[str]) -> dict:
-    """The differences between the checkpoint's config and `cfg` that `overrides` explain; any other is refused."""
-    drift = config_drift(state["config"], cfg.to_dict())
-    named = [o.partition("=")[0].strip() for o in overrides]
-    recorded = _recorded_overrides(run_dir, state["epoch"])
-    explained = {k: v for k, v in drift.items() if any(k == n or k.startswith(n + ".") for n in named)}
-    fixed = [k for k in explained if k.startswith("model.") and k != "model.pretrained" or k == "optim.name"]
-    if fixed:
-        raise ConfigError(
-            f"--set {', '.join(fixed)} on resume: the checkpoint's weights and optimizer state are built for the saved "
-            "network and optimizer, so they cannot continue with these changed; start a new run with --config instead"
-        )
-    refused = {k: v for k, v in drift.items() if k not in explained and not (k in recorded and recorded[k] == v[1])}
-    if refused:
-        listed = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in refused.items())
-        raise ConfigError(
-            f"{run_dir / 'config.yaml'} differs from its checkpoint's config ({listed}). A resumed run keeps its "
-            f"settings: restore config.yaml, or change a setting on purpose with `infosieve train --resume {run_dir} "
-            f"--set KEY=VALUE` (recorded in {run_dir / RESUMES})"
-        )
-    return explained
-
-
-def _restartable(run_dir: Path) -> bool:
-    """True when `run_dir` holds nothing but what a run killed before its first checkpoint leaves."""
-    names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
-    return not any(n not in _LEFTOVERS and not (n.startswith(".") and n.endswith(".tmp")) for n in names)
-
-
-def _clear_for_restart(run_dir: Path) -> None:
-    ckpt.remove_temporary_files(run_dir)
-    for name in ("log.jsonl", "unreadable.json"):
-        (run_dir / name).unlink(missing_ok=True)
-
-
-def _train(cfg, run_dir, resume, source, backbone, stop_after, overrides) -> dict | None:
-    main = dist.is_main_process()
-    started = time.perf_counter()
-    log_path, metrics_path = run_dir / "log.jsonl", run_dir / "metrics.json"
-    device = resolve_device(cfg.train.device)  # a device this machine lacks is refused before any work
-    state = None
-    if resume and (run_dir / ckpt.CHECKPOINT).is_file():
-        state = ckpt.load_checkpoint(run_dir, map_location=device)
-        changed = _check_drift(cfg, state, run_dir, overrides)
-        start, before = state["epoch"], state["before"]
-        if start >= cfg.schedule.epochs and metrics_path.is_file() and not changed:
-            if main:
-                print(f"{run_dir} already finished its {cfg.schedule.epochs} epochs; its result is in {metrics_path}")
-                print_next_steps(run_dir)
-            return json.loads(metrics_path.read_text())
-        if main:
-            ckpt.remove_temporary_files(run_dir)
-            ckpt.rewrite_log(log_path, [r for r in ckpt.read_log(log_path) if r["epoch"] < start])
-            if overrides:  # recorded first: a kill before the next checkpoint leaves config.yaml explained
-                ckpt.append_log(run_dir / RESUMES, {"epoch": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                                    "set": overrides, "changed": changed})  # fmt: skip
-                save_config(cfg, run_dir / "config.yaml")
-            if start < cfg.schedule.epochs:
-                print(f"resuming {run_dir} at epoch {start + 1}/{cfg.schedule.epochs}")
-            else:
-                print(f"resuming {run_dir}: its {cfg.schedule.epochs} epochs are done; the final evaluation runs")
-            for key, (a, b) in changed.items():
-                print(f"  --set {key}: {a!r} -> {b!r} (recorded in {run_dir / RESUMES})")
-    elif dist.all_reduce_any(not _restartable(run_dir), device):
-        if (run_dir / ckpt.CHECKPOINT).is_file():
-            raise FileExistsError(
-                f"run folder {run_dir} holds a run: continue it with `infosieve train --resume {run_dir}`, or choose "
-                "another --out"
-            )
-        raise FileExistsError(f"run folder {run_dir} is not empty (and not a run folder): choose another --out")
-    elif run_dir.is_dir() and any(run_dir.iterdir()) and main:
-        print(f"{run_dir} holds no checkpoint (the run was stopped before its first epoch ended): starting it again")
-        _clear_for_restart(run_dir)
-    trainer_cfg = cfg
-    if state is not None and cfg.model.pretrained:  # every weight is in the checkpoint; the file may have moved
-        trainer_cfg = copy.deepcopy(cfg)
-        trainer_cfg.model.pretrained = None
-    trainer = Trainer(trainer_cfg, source, backbone)
-    trainer.cfg = cfg  # what the checkpoints record
-    if state is not None:
-        trainer.load_state_dict(state)
-    else:
-        if main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, run_dir / "config.yaml")
-        status = status_line("before training: test-view feature pass + SS-k-means")
-        start, before = 0, trainer.evaluate()
-        status.close()
-        print_table({"before": before}, cfg.train.eval_protocol)
-    board = tensorboard_writer(run_dir, start) if cfg.train.tensorboard and main else None
-    for epoch in range(start, cfg.schedule.epochs):
-        record = trainer.train_epoch(epoch)
-        every = cfg.train.eval_every
-        if every and (epoch + 1) % every == 0:
-            record.update(trainer.evaluate_epoch())
-        if board is not None:
-            log_scalars(board, record)
-        if main:
-            write_unreadable(run_dir, trainer)
-            # the log line first: a kill between the two leaves a line the checkpoint lacks, dropped on resume (the
-            # other order would lose the epoch's line)
-            ckpt.append_log(log_path, record)
-            ckpt.save_checkpoint(run_dir, trainer.state_dict(epoch + 1, before))
-            print(
-                f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
-                f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
-            )
-        dist.barrier()  # the checkpoint is on disk before any rank moves on (or stops)
-        if stop_after is not None and stop_after(epoch):
-            return None
-    status = status_line("after training: test-view feature pass + SS-k-means")
-    final = trainer.evaluate_full()
-    status.close()
-    after = final.metrics
-    metrics = {"before": before, "after": after, "protocol": cfg.train.eval_protocol}
-    trainer.centers = final.clustering.centers.cpu()
-    if main:
-        ckpt.save_checkpoint(run_dir, trainer.state_dict(cfg.schedule.epochs, before))  # with the final centres
-        write_clustering(run_dir, final, trainer.source.n_old)
-        ckpt.write_json(metrics_path, metrics)
-    print_table({"before": before, "after": after}, cfg.train.eval_protocol)
-    if main:
-        at = "for the final evaluation" if start >= cfg.schedule.epochs else f"at epoch {start + 1}"
-        session = "" if state is None else f" (this session, resumed {at})"
-        print(f"\nfinished in {format_duration(time.perf_counter() - started)}{session}; run folder: {run_dir}")
-        print_next_steps(run_dir)
-    dist.barrier()
-    return metrics
-
-
-def format_duration(seconds: float) -> str:
-    seconds = round(seconds)
-    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-def print_next_steps(run_dir: Path) -> None:
-    run = shlex.quote(str(run_dir))
-    print("next:")
-    print(f"  infosieve eval --run {run}     # All/Old/New from the checkpoint (--split test: the held-out split)")
-    print(f"  infosieve tree --run {run}     # the category tree of the learned codes")
-    print(f"  infosieve report --run {run}   # report.html: losses, schedules, accuracy, confusion, the tree")
-
-
-def tensorboard_writer(run_dir: Path, start_epoch: int):
-    """`train.tensorboard`: a SummaryWriter on RUN/tensorboard; a resumed run drops the events after its checkpoint."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_epoch + 1)
-
-
-def log_scalars(board, record: dict) -> None:
-    """Every number of an epoch's log record as a scalar at step epoch + 1 (eval dicts as eval/all, ...)."""
-    step = record["epoch"] + 1
-    for key, value in record.items():
-        if isinstance(value, dict):
-            for part, v in value.items():
-                board.add_scalar(f"{key}/{part}", v, step)
-        elif key != "epoch" and isinstance(value, int | float):
-            board.add_scalar(key, value, step)
-    board.flush()
-
-
-def write_clustering(run_dir: Path, final: Evaluation, n_old: int) -> None:
-    """`RUN/clustering.npz`: the final clustering of the unlabelled train samples (uq, target, cluster) that the
-    reported metrics score, for `infosieve report`."""
-    import numpy as np
-
-    unl = final.unlabelled
-    arrays = {"uq": torch.nonzero(unl).squeeze(1), "targets": final.targets[unl], "preds": final.clustering.labels[unl]}
-    arrays = {k: v.cpu().numpy() for k, v in arrays.items()}
-    ckpt.atomic_write(run_dir / "clustering.npz", lambda f: np.savez(f, n_old=n_old, **arrays))
-
-
-def write_unreadable(run_dir: Path, trainer: Trainer) -> None:
-    """`RUN/unreadable.json`: the train samples left out because they could not be read (only when there are some)."""
-    if not trainer.unreadable:
-        return
-    describe = getattr(trainer.source, "describe", lambda uq: {"uq": uq})
-    entries = [describe(uq) for uq in trainer.unreadable]
-    ckpt.write_json(run_dir / "unreadable.json", {"count": len(entries), "samples": entries})
-
-
-def trainer_from_run(run_dir: str | Path) -> Trainer:
-    """A trainer holding a run folder's last checkpoint (its config and weights), for commands that read a run."""
-    from .config import from_saved
-
-    state = ckpt.load_checkpoint(run_dir)
-    cfg = from_saved(state["config"])
-    cfg.model.pretrained = None  # the checkpoint holds every weight; the backbone file may have moved since
-    trainer = Trainer(cfg)
-    trainer.model.load_state_dict(state["model"])
-    trainer.centers = state.get("centers")
-    trainer.n_clusters = state.get("n_clusters")
-    return trainer
-
-
-def code_tree(run_dir: str | Path, max_depth: int = 8) -> dict:
-    """The implicit category tree of a run's checkpoint: codes of the train samples (test view), cut by the mask.
-    The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples)."""
-    from .code_metrics import code_features, evaluate_codes
-
-    trainer = trainer_from_run(run_dir)
-    fs = code_features(trainer)
-    length = trainer.cfg.model.code_length
-    tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
-    tree["measures"] = evaluate_codes(trainer, fs)
-    tree["class_names"] = list(trainer.source.class_names)  # target order: what the report labels nodes with
-    return tree

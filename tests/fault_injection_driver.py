@@ -205,7 +205,7 @@ def train_argv(run: Path) -> list[str]:
 
 def main(workdir: str, seed: str, kills: str) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from infosieve_fast import cli, engine  # noqa: F401  (imported once, before any fork)
+    from infosieve_fast import cli, engine, run_folder  # noqa: F401  (imported once, before any fork)
 
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,7 @@ def test_code_measures_by_hand():
 
 
 def test_eval_every_eval_and_tree_report_the_code_measures(tmp_path, capsys):
-    from infosieve_fast.engine import train
+    from infosieve_fast.run_folder import train
     from tests.test_engine import smoke_config
 
     run = tmp_path / "run"
@@ -90,7 +90,7 @@ def test_eval_every_eval_and_tree_report_the_code_measures(tmp_path, capsys):
     from collections import Counter
 
     from infosieve_fast.code_metrics import code_features
-    from infosieve_fast.engine import trainer_from_run
+    from infosieve_fast.run_folder import trainer_from_run
 
     fs = code_features(trainer_from_run(run))
     unl = ~fs.labelled

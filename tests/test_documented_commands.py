@@ -53,6 +53,8 @@ PLAN = [
     Entry(r"infosieve eval --run \S+ --split test", "parse", "needs a run on shards with a test split "
           "(tests/test_eval_logging.py scores one)"),  # fmt: skip
     Entry(r"infosieve predict --run \S+ --images \S+ --out \S+", "run"),
+    Entry(r"infosieve estimate-k --features \S+ --known-classes \d+ --json \S+", "parse", "over a minute on 2 cores; "
+          "tests/test_estimate_k.py runs the same search on the same features"),  # fmt: skip
     Entry(r"infosieve make-shards --dataset (cub|imagenet1k) .*", "parse", "needs the dataset download "
           "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run both layouts on stand-ins)"),  # fmt: skip
     Entry(r"infosieve train --config configs/cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),

@@ -8,8 +8,9 @@ import torch
 from infosieve_fast import cli
 from infosieve_fast.checkpoint import load_checkpoint, read_log, restore_rng_state, rng_state, save_checkpoint
 from infosieve_fast.config import load_config
-from infosieve_fast.engine import LossMonitor, NonFiniteLoss, Trainer, train
+from infosieve_fast.engine import LossMonitor, NonFiniteLoss, Trainer
 from infosieve_fast.model import Backbone
+from infosieve_fast.run_folder import train
 
 SMOKE = [
     "schedule.epochs=2", "train.train_subset=320", "data.batch_size=64",
@@ -214,12 +215,12 @@ def test_cli_errors_name_the_input_and_the_fix(tmp_path, capsys):
 
 
 def test_ctrl_c_ends_with_the_resume_command(tmp_path, monkeypatch, capsys):
-    import infosieve_fast.engine as engine
+    import infosieve_fast.run_folder as run_folder
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine, "train", interrupted)
+    monkeypatch.setattr(run_folder, "train", interrupted)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "--config", "configs/demo.yaml", "--out", str(tmp_path / "run")])
     assert exit_.value.code == 130  # the shell's status for Ctrl-C

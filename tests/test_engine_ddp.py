@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from infosieve_fast import cli
+from infosieve_fast import cli, run_folder
 from infosieve_fast import engine as eng
 from infosieve_fast.checkpoint import read_log
 from infosieve_fast.config import load_config
@@ -68,15 +68,15 @@ def _worker(rank: int, port: int, out: str) -> None:
     try:
         calls, totals = [], []
         _spy(calls, totals)
-        res["full"] = eng.train(ddp_config(), out_dir / "full")
+        res["full"] = run_folder.train(ddp_config(), out_dir / "full")
         res["calls"], res["totals"] = list(calls), list(totals)
 
         killed = out_dir / "killed"
-        res["killed"] = eng.train(ddp_config(), killed, stop_after=lambda epoch: epoch == 0)
-        res["resumed"] = eng.train(load_config(killed / "config.yaml"), killed, resume=True)
+        res["killed"] = run_folder.train(ddp_config(), killed, stop_after=lambda epoch: epoch == 0)
+        res["resumed"] = run_folder.train(load_config(killed / "config.yaml"), killed, resume=True)
 
         try:
-            eng.train(ddp_config(), out_dir / "nan", backbone=Backbone(NaNOnRank1(), 16, grad_from_block=None))
+            run_folder.train(ddp_config(), out_dir / "nan", backbone=Backbone(NaNOnRank1(), 16, grad_from_block=None))
         except eng.NonFiniteLoss as err:
             res["nan"] = str(err)
         torch.save(res, out_dir / f"rank{rank}.pt")
@@ -177,7 +177,7 @@ def test_resume_and_single_process_eval_of_a_ddp_run(ddp):
         assert {k: v for k, v in a.items() if not k.startswith("seconds")} == {
             k: v for k, v in b.items() if not k.startswith("seconds")
         }
-    assert eng.trainer_from_run(out / "full").evaluate() == res[0]["full"]["after"]
+    assert run_folder.trainer_from_run(out / "full").evaluate() == res[0]["full"]["after"]
     assert cli.main(["eval", "--run", str(out / "full")]) == 0
 
 

@@ -10,9 +10,9 @@ from infosieve_fast.config import load_config
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.data.shards import make_shards
 from infosieve_fast.data.stream import ShardSource
-from infosieve_fast.engine import train
 from infosieve_fast.metrics import evaluate_split
 from infosieve_fast.predict import model_from_run
+from infosieve_fast.run_folder import train
 from tests.test_engine import SMOKE
 
 

@@ -4,8 +4,9 @@ import pytest
 
 from infosieve_fast.checkpoint import load_checkpoint
 from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.engine import Trainer, train
+from infosieve_fast.engine import Trainer
 from infosieve_fast.estimate_k import estimate_k
+from infosieve_fast.run_folder import train
 from tests.test_engine import SMOKE
 
 

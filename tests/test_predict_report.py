@@ -14,9 +14,9 @@ from infosieve_fast.checkpoint import load_checkpoint
 from infosieve_fast.config import load_config
 from infosieve_fast.data import digits
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.engine import train
 from infosieve_fast.predict import model_from_run
 from infosieve_fast.report import node_label
+from infosieve_fast.run_folder import train
 from tests.test_engine import SMOKE
 
 

@@ -13,8 +13,9 @@ from infosieve_fast import checkpoint as ckpt
 from infosieve_fast import cli, engine
 from infosieve_fast.checkpoint import CheckpointError, load_checkpoint, read_log, save_checkpoint
 from infosieve_fast.config import ConfigError, config_drift, load_config, save_config
-from infosieve_fast.engine import Trainer, train
+from infosieve_fast.engine import Trainer
 from infosieve_fast.model import build_backbone
+from infosieve_fast.run_folder import train
 from tests.test_engine import SMOKE, smoke_config
 
 ROOT = Path(__file__).resolve().parents[1]

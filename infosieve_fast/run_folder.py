@@ -1,0 +1,344 @@
+"""A run folder's lifecycle: `train` opens a new run or resumes one, trains its epochs and evaluates it at the end;
+`trainer_from_run` and `code_tree` read a run back. Every rank makes the same calls; only rank 0 writes and prints.
+
+RUN/config.yaml      the run's config: written when the run opens, rewritten by a resume's `--set`
+RUN/log.jsonl        one line per finished epoch (`Trainer.train_epoch`'s record, `evaluate_epoch`'s entries)
+RUN/checkpoint.pt    after every epoch, and after the final evaluation (with its k-means centres)
+RUN/resumes.jsonl    one line per resume with `--set`: the epoch it continued at, the strings and what they changed
+RUN/unreadable.json  the train samples that could not be read (only when there are some)
+RUN/metrics.json     All/Old/New before and after training: the run's result
+RUN/clustering.npz   the final clustering of the unlabelled train samples, for `infosieve report`
+RUN/tensorboard/     the log's numbers as scalars (`train.tensorboard`)
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from . import distributed as dist
+from .config import Config, ConfigError, config_drift, from_saved, save_config
+from .data.base import GCDSource
+from .engine import Evaluation, Trainer, resolve_device, status_line, wants_cuda
+from .model import Backbone
+from .tree import build_tree, code_strings
+
+CONFIG, LOG, METRICS, RESUMES = "config.yaml", "log.jsonl", "metrics.json", "resumes.jsonl"
+UNREADABLE, CLUSTERING, TENSORBOARD = "unreadable.json", "clustering.npz", "tensorboard"
+# what a run killed before its first checkpoint can leave; a folder holding only these is started again
+_LEFTOVERS = {CONFIG, LOG, RESUMES, UNREADABLE, TENSORBOARD}
+
+
+def train(
+    cfg: Config,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    source: GCDSource | None = None,
+    backbone: Backbone | None = None,
+    stop_after: Callable[[int], bool] | None = None,
+    overrides: Sequence[str] = (),
+) -> dict | None:
+    """Train (or resume) a run in `run_dir`; returns metrics.json's content, or None if `stop_after` ended it early.
+
+    `stop_after(epoch)` is asked after each epoch's checkpoint; True stops the run there (as a kill would).
+    Resuming, `cfg` must equal the checkpoint's config except for the keys named by `overrides` (the `--set KEY=VALUE`
+    strings already applied to `cfg`), which are recorded in RUN/resumes.jsonl and RUN/config.yaml; the backbone is
+    built without `model.pretrained` (the checkpoint holds every weight). A folder with no checkpoint yet (a run killed
+    before its first epoch ended) starts again from scratch, resumed or not.
+    Launched by torchrun (env WORLD_SIZE > 1) it starts the process group itself unless one exists; with a group,
+    every rank calls this with the same arguments (all ranks read the checkpoint to resume; rank 0 writes the folder).
+    """
+    with dist.process_group_from_env(wants_cuda(cfg.train.device)):
+        return _train(cfg, Path(run_dir), resume, source, backbone, stop_after, list(overrides))
+
+
+def _train(
+    cfg: Config,
+    run_dir: Path,
+    resume: bool,
+    source: GCDSource | None,
+    backbone: Backbone | None,
+    stop_after: Callable[[int], bool] | None,
+    overrides: list[str],
+) -> dict | None:
+    started = time.perf_counter()
+    device = resolve_device(cfg.train.device)  # a device this machine lacks is refused before any work
+    state = None
+    if resume and (run_dir / ckpt.CHECKPOINT).is_file():
+        state, finished = resume_run(cfg, run_dir, overrides, device)
+        if finished:
+            return finished_result(cfg, run_dir)
+    else:
+        prepare_new_folder(run_dir, device)
+    trainer = Trainer(cfg, source, backbone, pretrained=state is None)
+    if state is not None:
+        trainer.load_state_dict(state)
+        start, before = state["epoch"], state["before"]
+    else:
+        start, before = 0, open_new_run(trainer, run_dir)
+    if not train_epochs(trainer, run_dir, start, before, stop_after):
+        return None
+    metrics = final_evaluation(trainer, run_dir, before)
+    if dist.is_main_process():
+        print_finished(run_dir, time.perf_counter() - started, None if state is None else start, cfg.schedule.epochs)
+    dist.barrier()
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------------ open a new run
+def prepare_new_folder(run_dir: Path, device: torch.device) -> None:
+    """Refuse a folder that holds a run or other files; clear what a run killed before its first checkpoint left."""
+    if dist.all_reduce_any(not _restartable(run_dir), device):
+        if (run_dir / ckpt.CHECKPOINT).is_file():
+            raise FileExistsError(
+                f"run folder {run_dir} holds a run: continue it with `infosieve train --resume {run_dir}`, or choose "
+                "another --out"
+            )
+        raise FileExistsError(f"run folder {run_dir} is not empty (and not a run folder): choose another --out")
+    if run_dir.is_dir() and any(run_dir.iterdir()) and dist.is_main_process():
+        print(f"{run_dir} holds no checkpoint (the run was stopped before its first epoch ended): starting it again")
+        ckpt.remove_temporary_files(run_dir)
+        for name in (LOG, UNREADABLE):
+            (run_dir / name).unlink(missing_ok=True)
+
+
+def _restartable(run_dir: Path) -> bool:
+    """True when `run_dir` holds nothing but what a run killed before its first checkpoint leaves."""
+    names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    return not any(n not in _LEFTOVERS and not (n.startswith(".") and n.endswith(".tmp")) for n in names)
+
+
+def open_new_run(trainer: Trainer, run_dir: Path) -> dict[str, float]:
+    """Create the folder with its config.yaml, and return the untrained model's All/Old/New (the "before" row)."""
+    if dist.is_main_process():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(trainer.cfg, run_dir / CONFIG)
+    with status_line("before training: test-view feature pass + SS-k-means"):
+        before = trainer.evaluate()
+    print_table({"before": before}, trainer.cfg.train.eval_protocol)
+    return before
+
+
+# ------------------------------------------------------------------------------------------------ resume a run
+def resume_run(cfg: Config, run_dir: Path, overrides: list[str], device: torch.device) -> tuple[dict, bool]:
+    """The run's checkpoint (loaded on `device`, its config checked against `cfg`) and whether the run has finished
+    (every epoch, metrics.json, nothing changed). A run that goes on has its folder taken back to the checkpoint and
+    its `--set` changes recorded; `Trainer.load_state_dict` then continues it."""
+    state = ckpt.load_checkpoint(run_dir, map_location=device)
+    changed = check_drift(cfg, state, run_dir, overrides)
+    if state["epoch"] >= cfg.schedule.epochs and (run_dir / METRICS).is_file() and not changed:
+        return state, True
+    reopen_run(cfg, run_dir, state["epoch"], overrides, changed)
+    return state, False
+
+
+def check_drift(cfg: Config, state: dict, run_dir: Path, overrides: list[str]) -> dict:
+    """The differences between the checkpoint's config and `cfg` that `overrides` explain; any other is refused."""
+    drift = config_drift(state["config"], cfg.to_dict())
+    named = [o.partition("=")[0].strip() for o in overrides]
+    recorded = _recorded_overrides(run_dir, state["epoch"])
+    explained = {k: v for k, v in drift.items() if any(k == n or k.startswith(n + ".") for n in named)}
+    fixed = [k for k in explained if k.startswith("model.") and k != "model.pretrained" or k == "optim.name"]
+    if fixed:
+        raise ConfigError(
+            f"--set {', '.join(fixed)} on resume: the checkpoint's weights and optimizer state are built for the saved "
+            "network and optimizer, so they cannot continue with these changed; start a new run with --config instead"
+        )
+    refused = {k: v for k, v in drift.items() if k not in explained and not (k in recorded and recorded[k] == v[1])}
+    if refused:
+        listed = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in refused.items())
+        raise ConfigError(
+            f"{run_dir / CONFIG} differs from its checkpoint's config ({listed}). A resumed run keeps its "
+            f"settings: restore config.yaml, or change a setting on purpose with `infosieve train --resume {run_dir} "
+            f"--set KEY=VALUE` (recorded in {run_dir / RESUMES})"
+        )
+    return explained
+
+
+def _recorded_overrides(run_dir: Path, epoch: int) -> dict:
+    """The changes that resumes at `epoch` recorded (config.yaml holds them, the checkpoint not yet)."""
+    changed: dict = {}
+    for record in ckpt.read_log(run_dir / RESUMES):
+        if record.get("epoch") == epoch:
+            changed.update({k: v[1] for k, v in record.get("changed", {}).items()})
+    return changed
+
+
+def finished_result(cfg: Config, run_dir: Path) -> dict:
+    """A resume of a run that has finished and changes nothing: its metrics.json, nothing reruns."""
+    if dist.is_main_process():
+        print(f"{run_dir} already finished its {cfg.schedule.epochs} epochs; its result is in {run_dir / METRICS}")
+        print_next_steps(run_dir)
+    return json.loads((run_dir / METRICS).read_text())
+
+
+def reopen_run(cfg: Config, run_dir: Path, start: int, overrides: list[str], changed: dict) -> None:
+    """Rank 0 takes the folder back to its checkpoint (epoch `start`): drops temporary files and later log lines,
+    records the `--set` changes, and says where the run goes on."""
+    if not dist.is_main_process():
+        return
+    ckpt.remove_temporary_files(run_dir)
+    ckpt.rewrite_log(run_dir / LOG, [r for r in ckpt.read_log(run_dir / LOG) if r["epoch"] < start])
+    if overrides:  # recorded first: a kill before the next checkpoint leaves config.yaml explained
+        ckpt.append_log(run_dir / RESUMES, {"epoch": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                            "set": overrides, "changed": changed})  # fmt: skip
+        save_config(cfg, run_dir / CONFIG)
+    if start < cfg.schedule.epochs:
+        print(f"resuming {run_dir} at epoch {start + 1}/{cfg.schedule.epochs}")
+    else:
+        print(f"resuming {run_dir}: its {cfg.schedule.epochs} epochs are done; the final evaluation runs")
+    for key, (a, b) in changed.items():
+        print(f"  --set {key}: {a!r} -> {b!r} (recorded in {run_dir / RESUMES})")
+
+
+# ------------------------------------------------------------------------------------------------ the epochs
+def train_epochs(
+    trainer: Trainer, run_dir: Path, start: int, before: dict, stop_after: Callable[[int], bool] | None
+) -> bool:
+    """The epochs from `start` on, each logged and checkpointed; False when `stop_after` ended the run early."""
+    cfg = trainer.cfg
+    main = dist.is_main_process()
+    board = tensorboard_writer(run_dir, start) if cfg.train.tensorboard and main else None
+    for epoch in range(start, cfg.schedule.epochs):
+        record = trainer.train_epoch(epoch)
+        every = cfg.train.eval_every
+        if every and (epoch + 1) % every == 0:
+            record.update(trainer.evaluate_epoch())
+        if board is not None:
+            log_scalars(board, record)
+        if main:
+            write_epoch(run_dir, trainer, record, before)
+            print(
+                f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
+                f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
+            )
+        dist.barrier()  # the checkpoint is on disk before any rank moves on (or stops)
+        if stop_after is not None and stop_after(epoch):
+            return False
+    return True
+
+
+def write_epoch(run_dir: Path, trainer: Trainer, record: dict, before: dict) -> None:
+    """An epoch's unreadable list, log line and checkpoint. The log line first: a kill between the two leaves a line
+    the checkpoint lacks, dropped on resume (the other order would lose the epoch's line)."""
+    write_unreadable(run_dir, trainer)
+    ckpt.append_log(run_dir / LOG, record)
+    ckpt.save_checkpoint(run_dir, trainer.state_dict(record["epoch"] + 1, before))
+
+
+def write_unreadable(run_dir: Path, trainer: Trainer) -> None:
+    """`RUN/unreadable.json`: the train samples left out because they could not be read (only when there are some)."""
+    if not trainer.unreadable:
+        return
+    describe = getattr(trainer.source, "describe", lambda uq: {"uq": uq})
+    entries = [describe(uq) for uq in trainer.unreadable]
+    ckpt.write_json(run_dir / UNREADABLE, {"count": len(entries), "samples": entries})
+
+
+def tensorboard_writer(run_dir: Path, start_epoch: int):
+    """`train.tensorboard`: a SummaryWriter on RUN/tensorboard; a resumed run drops the events after its checkpoint."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run_dir / TENSORBOARD), purge_step=start_epoch + 1)
+
+
+def log_scalars(board, record: dict) -> None:
+    """Every number of an epoch's log record as a scalar at step epoch + 1 (eval dicts as eval/all, ...)."""
+    step = record["epoch"] + 1
+    for key, value in record.items():
+        if isinstance(value, dict):
+            for part, v in value.items():
+                board.add_scalar(f"{key}/{part}", v, step)
+        elif key != "epoch" and isinstance(value, int | float):
+            board.add_scalar(key, value, step)
+    board.flush()
+
+
+# ------------------------------------------------------------------------------------------------ the end
+def final_evaluation(trainer: Trainer, run_dir: Path, before: dict) -> dict:
+    """All/Old/New after training; rank 0 saves the checkpoint again with the final centres, the clustering and
+    metrics.json (the run's result, returned)."""
+    cfg = trainer.cfg
+    with status_line("after training: test-view feature pass + SS-k-means"):
+        final = trainer.evaluate_full()
+    metrics = {"before": before, "after": final.metrics, "protocol": cfg.train.eval_protocol}
+    trainer.centers = final.clustering.centers.cpu()
+    if dist.is_main_process():
+        ckpt.save_checkpoint(run_dir, trainer.state_dict(cfg.schedule.epochs, before))
+        write_clustering(run_dir, final, trainer.source.n_old)
+        ckpt.write_json(run_dir / METRICS, metrics)
+    print_table({"before": before, "after": final.metrics}, cfg.train.eval_protocol)
+    return metrics
+
+
+def write_clustering(run_dir: Path, final: Evaluation, n_old: int) -> None:
+    """`RUN/clustering.npz`: the final clustering of the unlabelled train samples (uq, target, cluster) that the
+    reported metrics score, for `infosieve report`."""
+    import numpy as np
+
+    unl = final.unlabelled
+    arrays = {"uq": torch.nonzero(unl).squeeze(1), "targets": final.targets[unl], "preds": final.clustering.labels[unl]}
+    arrays = {k: v.cpu().numpy() for k, v in arrays.items()}
+    ckpt.atomic_write(run_dir / CLUSTERING, lambda f: np.savez(f, n_old=n_old, **arrays))
+
+
+def print_table(metrics: dict[str, dict[str, float]], protocol: str) -> None:
+    if not dist.is_main_process():
+        return
+    print(f"\n{'accuracy (' + protocol + ')':<16}{'All':>8}{'Old':>8}{'New':>8}")
+    for name, m in metrics.items():
+        print(f"{name:<16}{m['all']:>8.4f}{m['old']:>8.4f}{m['new']:>8.4f}")
+
+
+def print_finished(run_dir: Path, seconds: float, resumed_at: int | None, epochs: int) -> None:
+    """The session's time and the way on; `resumed_at`: the epoch this session started at (None: a new run)."""
+    session = ""
+    if resumed_at is not None:
+        at = "for the final evaluation" if resumed_at >= epochs else f"at epoch {resumed_at + 1}"
+        session = f" (this session, resumed {at})"
+    print(f"\nfinished in {format_duration(seconds)}{session}; run folder: {run_dir}")
+    print_next_steps(run_dir)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = round(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def print_next_steps(run_dir: Path) -> None:
+    run = shlex.quote(str(run_dir))
+    print("next:")
+    print(f"  infosieve eval --run {run}     # All/Old/New from the checkpoint (--split test: the held-out split)")
+    print(f"  infosieve tree --run {run}     # the category tree of the learned codes")
+    print(f"  infosieve report --run {run}   # report.html: losses, schedules, accuracy, confusion, the tree")
+
+
+# ------------------------------------------------------------------------------------------------ read a run back
+def trainer_from_run(run_dir: str | Path) -> Trainer:
+    """A trainer holding a run folder's last checkpoint (its config and weights), for commands that read a run."""
+    state = ckpt.load_checkpoint(run_dir)
+    trainer = Trainer(from_saved(state["config"]), pretrained=False)
+    trainer.load_model_state(state)
+    return trainer
+
+
+def code_tree(run_dir: str | Path, max_depth: int = 8) -> dict:
+    """The implicit category tree of a run's checkpoint: codes of the train samples (test view), cut by the mask.
+    The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples)."""
+    from .code_metrics import code_features, evaluate_codes
+
+    trainer = trainer_from_run(run_dir)
+    fs = code_features(trainer)
+    length = trainer.cfg.model.code_length
+    tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
+    tree["measures"] = evaluate_codes(trainer, fs)
+    tree["class_names"] = list(trainer.source.class_names)  # target order: what the report labels nodes with
+    return tree
