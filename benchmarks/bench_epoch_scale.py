@@ -8,8 +8,9 @@
 What runs, with configs/imagenet1k.yaml (ViT-B/16 from random weights: the speed is the same), streamed from shards
 (`data.cache=off`, as ImageNet-1k's ~335 GB of decoded images never fit a cache) with `data.decode` (default auto:
 nvJPEG on CUDA):
-1. shards: `--n` synthetic "natural" images (bench_scale's generator: 1/f texture, ellipses, noise; ~50 KB JPEG
-   quality 95 at shorter side 256, long side 256-384) of `--classes` classes, cached under `--shards-dir`;
+1. shards: `--n` synthetic "natural" images (`pooled_shards`: crops of a pool of bench_scale's 1/f-texture, ellipse
+   and noise images; ~55 KB JPEG quality 95 at shorter side 256, long side 256-384, half portrait) of `--classes`
+   classes, written by make-shards on every core and reused from `--shards-dir`;
 2. loader alone: `--loader-batches` training batches read, decoded and delivered on the device; images/s; the same
    with the other decode path (`loader_other_decode`: CPU workers vs nvJPEG) for comparison;
 3. feature pass over all `--n` images (the trainer's `extract_features`: augmented view, bf16 forward); images/s;
@@ -20,7 +21,8 @@ nvJPEG on CUDA):
    N // batch x ms/step, k-means = the ImageNet-size round measured by `bench_kmeans.py --scale imagenet1k`
    (`--kmeans-json`: its fp32 run, the default config's; without it the projection leaves k-means out and says so).
 The loader is "never the bottleneck" when it delivers faster than training consumes (`loader_vs_train` > 1) and the
-training loop almost never waits for it.
+training loop almost never waits for it. The JSON is written after every phase (`phases_done`; `complete` once the
+projection is in), so a run cut short keeps what it measured. A ViT gets `img_size=--crop` (`model.backbone_kwargs`).
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_scale import write_synthetic_shards  # noqa: E402
-from benchmarks.provenance import device_name, emit_json, git_state  # noqa: E402
+from benchmarks import smoke  # noqa: E402
+from benchmarks.pooled_shards import KIND, write_pooled_shards  # noqa: E402
+from benchmarks.provenance import device_name, emit_json, stamp  # noqa: E402
 from infosieve_fast.config import load_config  # noqa: E402
 from infosieve_fast.data.stream import ShardSource  # noqa: E402
 from infosieve_fast.engine import LossMonitor, Trainer  # noqa: E402
 
 IMAGENET1K_TRAIN = 1_281_167
+# smoke size (INFOSIEVE_BENCH_SMOKE=1, the CPU rehearsal of gpu_check.sh): a ViT-Ti/16 on 32 px crops, seconds on a CPU
+SMOKE = dict(device="cpu", n=96, classes=8, size=64, crop=32, batch=16, feature_batch=32, steps=8, warmup=2,
+             loader_batches=4, workers=1, backbone="vit_tiny_patch16_224")  # fmt: skip
+SMOKE_SETS = ("model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64", "kmeans.n_init=1")
 
 
 class GpuUtilisation:
@@ -173,51 +180,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backbone", default="vit_base_patch16_224")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--set", action="append", default=[], help="extra config overrides, key=value")
-    p.add_argument("--shards-dir", default=None, help="default: /tmp/infosieve-bench-epoch/natural-n{n}-s{size}")
+    p.add_argument("--shards-dir", default=None, help=f"default: /tmp/infosieve-bench-epoch/{KIND}-n{{n}}-s{{size}}")
     p.add_argument("--kmeans-json", default=None, help="bench_kmeans.py --scale imagenet1k output to project with")
-    p.add_argument("--json", default=None, help="also write the JSON here")
-    return p.parse_args(argv)
+    p.add_argument("--json", default=None, help="also write the JSON here (after every phase)")
+    return smoke.shrink(p.parse_args(argv), SMOKE_SETS, **SMOKE)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    commit, dirty = git_state()
-    shards = Path(args.shards_dir or f"/tmp/infosieve-bench-epoch/natural-n{args.n}-s{args.size}")
-    data = write_synthetic_shards(shards, kind="natural", n=args.n, n_classes=args.classes, size=args.size, seed=0,
-                                  shard_size_mb=64, workers=os.cpu_count() or 2)  # fmt: skip
+    result = {
+        **stamp(), "benchmark": "bench_epoch_scale", "command": " ".join([sys.executable, *sys.argv]),
+        "settings": {k: v for k, v in vars(args).items() if k != "json"}, "complete": False, "phases_done": [],
+    }  # fmt: skip
+
+    def phase_done(name: str, **measured) -> None:  # a run cut short keeps every phase it finished
+        result.update(measured)
+        result["phases_done"].append(name)
+        emit_json(result, args.json, echo=False)
+
+    shards = Path(args.shards_dir or f"/tmp/infosieve-bench-epoch/{KIND}-n{args.n}-s{args.size}")
+    phase_done("shards", data=write_pooled_shards(shards, n=args.n, n_classes=args.classes, size=args.size,
+                                                  workers=os.cpu_count() or 2))  # fmt: skip
     trainer = build_trainer(args, shards)
-    loader = loader_rate(trainer.source, args.batch, args.loader_batches)
+    result.update(device=device_name(trainer.device), decode_on_gpu=trainer.source.gpu_decode)
+    phase_done("loader", loader=loader_rate(trainer.source, args.batch, args.loader_batches))
     other = "cpu" if trainer.source.gpu_decode else "gpu"
-    loader_other = None
+    result["loader_other_decode"] = None  # nvJPEG needs a GPU
     if other == "cpu" or trainer.device.type == "cuda":  # the other decode path, for comparison
         src = ShardSource(shards, device=trainer.device, cache="off", decode=other, num_workers=args.workers, seed=1)
-        loader_other = {"decode": other, **loader_rate(src, args.batch, args.loader_batches)}
+        phase_done("loader_other_decode", loader_other_decode={"decode": other,
+                                                               **loader_rate(src, args.batch, args.loader_batches)})
     features, fs = feature_pass(trainer)
+    phase_done("feature_pass", feature_pass=features)
     t0 = time.perf_counter()
     pseudo = trainer.cluster(fs, seed=0, balanced=trainer.cfg.kmeans.balanced).labels
-    kmeans_here = time.perf_counter() - t0
+    phase_done("kmeans_at_this_n", kmeans_at_this_n_s=round(time.perf_counter() - t0, 2))
     window = training_window(trainer, pseudo, args.steps, args.warmup)
-
-    kmeans_seconds, kmeans_source = None, "not measured: pass --kmeans-json (bench_kmeans.py --scale imagenet1k)"
-    if args.kmeans_json and Path(args.kmeans_json).is_file():
-        runs = json.loads(Path(args.kmeans_json).read_text())["runs"]
-        fp32 = [r for r in runs if r["distance_precision"] == "fp32"]  # the default config's round
-        kmeans_seconds = (fp32 or runs)[0]["seconds"]
-        kmeans_source = f"{args.kmeans_json} ({(fp32 or runs)[0]['distance_precision']})"
-    n, bs = IMAGENET1K_TRAIN, args.batch
-    projection = {
-        "n_train": n, "batch": bs, "feature_pass_s": round(n / features["images_per_s"], 1),
-        "steps": n // bs, "steps_s": round(n // bs * window["ms_per_step"] / 1000, 1),
-        "kmeans_s": kmeans_seconds, "kmeans_source": kmeans_source,
-    }  # fmt: skip
-    total = projection["feature_pass_s"] + projection["steps_s"] + (kmeans_seconds or 0.0)
-    projection["epoch_minutes"] = round(total / 60, 2)
-    result = {
-        "benchmark": "bench_epoch_scale", "commit": commit, "dirty": dirty,
-        "device": device_name(trainer.device), "command": " ".join([sys.executable, *sys.argv]),
-        "summary": {
+    phase_done("window", window=window)
+    projection = project(features, window, args.batch, args.kmeans_json)
+    loader = result["loader"]
+    result.update(
+        complete=True, projection=projection,
+        summary={
             "projected_epoch_minutes": projection["epoch_minutes"],
-            "projection_includes_kmeans": kmeans_seconds is not None,
+            "projection_includes_kmeans": projection["kmeans_s"] is not None,
             "ms_per_step": window["ms_per_step"], "train_images_per_s": window["images_per_s"],
             "loader_images_per_s": loader["images_per_s"],
             "loader_vs_train": round(loader["images_per_s"] / window["images_per_s"], 2),
@@ -225,14 +231,26 @@ def main(argv: list[str] | None = None) -> dict:
             "gpu_utilisation_mean_percent": window["gpu_utilisation_percent"]["mean"],
             "feature_images_per_s": features["images_per_s"],
         },
-        "projection": projection, "window": window, "loader": loader, "loader_other_decode": loader_other,
-        "feature_pass": features,
-        "kmeans_at_this_n_s": round(kmeans_here, 2), "data": data,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
-        "decode_on_gpu": trainer.source.gpu_decode,
-    }  # fmt: skip
+    )  # fmt: skip
     emit_json(result, args.json)
     return result
+
+
+def project(features: dict, window: dict, batch: int, kmeans_json: str | None) -> dict:
+    """The ImageNet-1k epoch from the measured rates: feature pass + steps (+ the k-means round of `kmeans_json`)."""
+    kmeans_seconds, kmeans_source = None, "not measured: pass --kmeans-json (bench_kmeans.py --scale imagenet1k)"
+    if kmeans_json and Path(kmeans_json).is_file():
+        runs = json.loads(Path(kmeans_json).read_text())["runs"]
+        run = ([r for r in runs if r["distance_precision"] == "fp32"] or runs)[0]  # the default config's round
+        kmeans_seconds, kmeans_source = run["seconds"], f"{kmeans_json} ({run['distance_precision']})"
+    n = IMAGENET1K_TRAIN
+    projection = {
+        "n_train": n, "batch": batch, "feature_pass_s": round(n / features["images_per_s"], 1),
+        "steps": n // batch, "steps_s": round(n // batch * window["ms_per_step"] / 1000, 1),
+        "kmeans_s": kmeans_seconds, "kmeans_source": kmeans_source,
+    }  # fmt: skip
+    total = projection["feature_pass_s"] + projection["steps_s"] + (kmeans_seconds or 0.0)
+    return {**projection, "epoch_minutes": round(total / 60, 2)}
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from benchmarks import smoke  # noqa: E402
 from benchmarks.provenance import emit_json  # noqa: E402
+from infosieve_fast.precision import set_cuda_matmul_tf32  # noqa: E402
 from kernels import reference  # noqa: E402
 
 L = 40
@@ -282,7 +283,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no GPU")
     forced = os.environ.pop(kernels.ENV_VAR, None)  # each variant names its backend; an override would blur them
-    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    set_cuda_matmul_tf32(args.tf32)
     if args.threads or args.quick:  # a few busy shared cores: OpenMP spinning can make tiny CPU ops 100x slower
         torch.set_num_threads(args.threads or 1)
     budget = Budget(args.budget_s if args.budget_s is not None else (210.0 if device.type == "cuda" else 60.0))

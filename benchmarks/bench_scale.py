@@ -66,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import smoke  # noqa: E402
-from benchmarks.provenance import device_name, emit_json, git_state  # noqa: E402
+from benchmarks.provenance import device_name, emit_json, stamp  # noqa: E402
 from infosieve_fast.data import shards as shards_mod  # noqa: E402
 from infosieve_fast.data.layouts import RawDataset  # noqa: E402
 from infosieve_fast.data.sampler import reference_labelled_share  # noqa: E402
@@ -625,9 +625,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    commit, dirty = git_state()
     report: dict = {
-        "commit": commit, "dirty": dirty, "device": device_name(torch.device("cpu")),
+        **stamp(), "device": device_name(torch.device("cpu")),
         "command": " ".join(["python", "benchmarks/bench_scale.py", *(sys.argv[1:] if argv is None else argv)]),
         "torch": torch.__version__,
         "machine": {"cpus": os.cpu_count(), "loadavg_at_start": round(os.getloadavg()[0], 2),

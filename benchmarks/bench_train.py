@@ -93,6 +93,7 @@ from infosieve_fast.data.base import Batch  # noqa: E402
 from infosieve_fast.data.memory import InMemoryGCD  # noqa: E402
 from infosieve_fast.data.splits import gcd_split  # noqa: E402
 from infosieve_fast.engine import FeatureSet, LossMonitor, Trainer  # noqa: E402
+from infosieve_fast.precision import set_cuda_matmul_tf32  # noqa: E402
 
 FAST_VARIANTS = {
     "fast_default": [],
@@ -623,7 +624,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
 def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: None) -> dict:
     """The whole benchmark; `emit(report)` is called after every variant, so a run cut short keeps what it measured."""
     device = args.device
-    torch.backends.cuda.matmul.allow_tf32 = False  # torch's default, stated: the fp32 baseline is true fp32
+    set_cuda_matmul_tf32(False)  # torch's default, stated: the fp32 baseline is true fp32
     name = device_name(device)
     report = {
         "benchmark": "bench_train",

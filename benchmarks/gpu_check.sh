@@ -97,7 +97,9 @@ step() {  # step NAME LIMIT_S CMD...: run under min(LIMIT_S, budget left), log t
 } >"$out/env.txt" 2>&1
 cp "$out/env.txt" "$summary"
 
-step preflight 60 "$PY" benchmarks/gpu_preflight.py --device "$DEVICE" --json "$out/preflight.json"
+require_gpu=()
+[ "$DEVICE" = cuda ] && require_gpu=(--require-gpu)
+step preflight 60 "$PY" benchmarks/gpu_preflight.py --device "$DEVICE" "${require_gpu[@]}" --json "$out/preflight.json"
 
 step kmeans-in1k 90 "$PY" benchmarks/bench_kmeans.py --device "$DEVICE" --scale imagenet1k \
   --distance-precision bf16,tf32,fp32 --json "$out/kmeans-imagenet1k.json"

@@ -1,10 +1,14 @@
-"""`benchmarks/bench_epoch_scale.py` run tiny on the CPU: the window, the loader and the projection arithmetic."""
+"""`benchmarks/bench_epoch_scale.py` run tiny on the CPU: the window, the loader and the projection arithmetic, and
+the JSON written after every phase."""
 
 import json
 
 import pytest
 
+from benchmarks import bench_epoch_scale
 from benchmarks.bench_epoch_scale import IMAGENET1K_TRAIN, main
+
+PHASES = ["shards", "loader", "feature_pass", "kmeans_at_this_n", "window"]  # CPU: no nvJPEG to compare with
 
 TINY = [
     "--device", "cpu", "--n", "96", "--classes", "8", "--size", "64", "--crop", "32", "--batch", "16",
@@ -14,13 +18,18 @@ TINY = [
 ]  # fmt: skip
 
 
-def test_tiny_run_projects_an_imagenet_epoch(tmp_path):
+@pytest.fixture(scope="module")
+def shards_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("epoch") / "shards"  # written by the first run, reused by the second
+
+
+def test_tiny_run_projects_an_imagenet_epoch(tmp_path, shards_dir):
     kmeans = tmp_path / "kmeans.json"
     runs = [{"distance_precision": "bf16", "seconds": 2.0}, {"distance_precision": "fp32", "seconds": 7.5}]
     kmeans.write_text(json.dumps({"runs": runs}))
     out = tmp_path / "epoch.json"
-    res = main([*TINY, "--shards-dir", str(tmp_path / "shards"), "--kmeans-json", str(kmeans), "--json", str(out)])
-    assert json.loads(out.read_text()) == res
+    res = main([*TINY, "--shards-dir", str(shards_dir), "--kmeans-json", str(kmeans), "--json", str(out)])
+    assert json.loads(out.read_text()) == res and res["complete"] and res["phases_done"] == PHASES
     w, p, s = res["window"], res["projection"], res["summary"]
     assert w["steps"] == 8 and w["epochs_spanned"] >= 2  # 96 // 16 = 6 steps per epoch: the window spans epochs
     assert res["loader"]["images"] == 4 * 16 and res["feature_pass"]["images"] == 96
@@ -31,3 +40,17 @@ def test_tiny_run_projects_an_imagenet_epoch(tmp_path):
     assert s["projected_epoch_minutes"] == pytest.approx((p["feature_pass_s"] + p["steps_s"] + 7.5) / 60, abs=0.01)
     assert 0 <= s["loader_wait_fraction"] < 1 and s["gpu_utilisation_mean_percent"] is None
     assert s["loader_vs_train"] == pytest.approx(s["loader_images_per_s"] / s["train_images_per_s"], rel=0.01)
+
+
+def test_a_run_cut_short_keeps_the_phases_it_finished(tmp_path, shards_dir, monkeypatch):
+    def killed(*args):
+        raise KeyboardInterrupt("the step's timeout (simulated)")
+
+    monkeypatch.setattr(bench_epoch_scale, "training_window", killed)
+    out = tmp_path / "epoch.json"
+    with pytest.raises(KeyboardInterrupt):
+        main([*TINY, "--shards-dir", str(shards_dir), "--json", str(out)])
+    kept = json.loads(out.read_text())
+    assert kept["phases_done"] == PHASES[:-1] and not kept["complete"] and "window" not in kept
+    assert kept["data"]["n_train"] == 96 and kept["feature_pass"]["images"] == 96 and kept["loader"]["images"] == 4 * 16
+    assert kept["loader_other_decode"] is None and kept["kmeans_at_this_n_s"] >= 0

@@ -28,9 +28,13 @@ def cache_device(
     on_gpu = device.type == "cuda"
     if cache == "gpu" and not on_gpu:
         raise ValueError(f"cache='gpu' needs a CUDA device, got device={device}: use cache='cpu' or 'auto'")
-    if cache == "gpu":
-        return device
-    if cache == "auto" and on_gpu and decoded_mb <= gpu_cache_share * torch.cuda.mem_get_info(device)[0] / 2**20:
+    free_mb = torch.cuda.mem_get_info(device)[0] / 2**20 if on_gpu and cache in ("gpu", "auto") else 0.0
+    if cache == "gpu" and decoded_mb > free_mb:
+        raise ValueError(
+            f"cache='gpu': the decoded split takes {decoded_mb:,.0f} MiB but {device} has {free_mb:,.0f} MiB free: use "
+            "cache='auto' (the GPU only when it fits gpu_cache_share of the free memory) or 'cpu'"
+        )
+    if cache == "gpu" or (cache == "auto" and on_gpu and decoded_mb <= gpu_cache_share * free_mb):
         return device
     if cache == "cpu" or (cache == "auto" and decoded_mb <= memory_threshold_mb):
         return torch.device("cpu")

@@ -5,11 +5,16 @@ the training crops range over the whole image as the reference's `RandomCrop(224
 the longer side at `max_aspect` x the shorter one (centre crop), which bounds a batch's padded canvas. A batch of
 images of different sizes is padded into one canvas [B, 3, max h, max w] (top-left aligned) with their sizes beside
 it; `DeviceAugment` crops each image inside its own size.
+
+A batch whose nvJPEG call fails (nvJPEG missing or broken on the machine, or one image it cannot decode: the batched
+call then fails as a whole) is decoded on the CPU instead; only an image the CPU cannot decode either is lost.
+`DecodeCounts` keeps how many images each path decoded.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -38,41 +43,72 @@ def cap_aspect(img: Tensor, max_aspect: float | None) -> Tensor:
     return img[:, top : top + ch, left : left + cw]
 
 
+def _is_png(encoded: Tensor) -> bool:
+    return bytes(encoded[:8].tolist()) == PNG_MAGIC
+
+
 def decode_cpu(data: bytes | memoryview | Tensor) -> Tensor:
     """JPEG or PNG bytes -> RGB uint8 [3, H, W] (the format is read from the bytes)."""
     buf = data if isinstance(data, Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        if bytes(buf[:8].tolist()) == PNG_MAGIC:
+        if _is_png(buf):
             return decode_png(buf, mode=ImageReadMode.RGB)
         return decode_jpeg(buf, mode=ImageReadMode.RGB)
 
 
-def decode_gpu(encoded: list[Tensor], device: torch.device) -> list[Tensor | None]:
-    """JPEGs (CPU uint8 tensors) -> RGB uint8 [3, H, W] on `device`, in one batched nvJPEG call; None for an image
-    that does not decode (found by decoding one by one after the batched call failed). PNGs go through the CPU."""
+@dataclass
+class DecodeCounts:
+    """Running totals of the images decoded, by where (one addition per batch: cheap enough to always keep). A
+    benchmark reads them before and after an epoch; a pass served from a decoded cache adds nothing."""
+
+    cpu: int = 0  # decoded on the CPU (DataLoader workers, PNGs, nvJPEG fallbacks)
+    gpu: int = 0  # decoded by nvJPEG
+    gpu_fallback: int = 0  # JPEGs nvJPEG failed on, handed to the CPU (those that decoded there are in `cpu` too)
+    gpu_error: str | None = None  # the first nvJPEG failure, "Type: message"
+
+    def as_dict(self) -> dict[str, int]:
+        return {"cpu": self.cpu, "gpu": self.gpu, "gpu_fallback": self.gpu_fallback}
+
+
+def nvjpeg_decode(jpegs: list[Tensor], device: torch.device) -> list[Tensor]:
+    """JPEGs (CPU uint8 tensors) -> RGB uint8 [3, H, W] on `device` in one batched nvJPEG call (torchvision). Raises
+    when nvJPEG is missing or broken, or when any one image does not decode: the call fails as a whole."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        is_png = [bytes(e[:8].tolist()) == PNG_MAGIC for e in encoded]
-        jpegs = [e for e, png in zip(encoded, is_png, strict=True) if not png]
+        return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+
+
+def decode_gpu(encoded: list[Tensor], device: torch.device, counts: DecodeCounts) -> list[Tensor | None]:
+    """JPEGs and PNGs (CPU uint8 tensors) -> RGB uint8 [3, H, W] on `device`: the JPEGs in one batched nvJPEG call,
+    the PNGs on the CPU. When the nvJPEG call fails, its JPEGs are decoded on the CPU instead and moved to `device`
+    (counted in `counts.gpu_fallback`, the first error kept in `counts.gpu_error`); None only for an image that the
+    CPU cannot decode either."""
+    png = [_is_png(e) for e in encoded]
+    jpeg_at = [i for i, p in enumerate(png) if not p]
+    on_cpu = [i for i, p in enumerate(png) if p]
+    out: list[Tensor | None] = [None] * len(encoded)
+    if jpeg_at:
         try:
-            decoded = iter(decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device) if jpegs else [])
-            out: list[Tensor | None] = [None if png else next(decoded) for png in is_png]
-        except RuntimeError:
-            out = [None if png else _decode_one_gpu(e, device) for e, png in zip(encoded, is_png, strict=True)]
-        for i, png in enumerate(is_png):
-            if png:
-                try:
-                    out[i] = decode_png(encoded[i], mode=ImageReadMode.RGB).to(device, non_blocking=True)
-                except RuntimeError:
-                    out[i] = None
+            for i, img in zip(jpeg_at, nvjpeg_decode([encoded[i] for i in jpeg_at], device), strict=True):
+                out[i] = img
+            counts.gpu += len(jpeg_at)
+        except Exception as exn:  # whatever nvJPEG raises (no CUDA kernel, a bad image, ...), the CPU gets the images
+            counts.gpu_fallback += len(jpeg_at)
+            counts.gpu_error = counts.gpu_error or f"{type(exn).__name__}: {exn}"
+            on_cpu += jpeg_at
+    for i in on_cpu:
+        img = _decode_cpu_or_none(encoded[i])
+        if img is not None:
+            out[i] = img.to(device, non_blocking=True)
+            counts.cpu += 1
     return out
 
 
-def _decode_one_gpu(encoded: Tensor, device: torch.device) -> Tensor | None:
+def _decode_cpu_or_none(encoded: Tensor) -> Tensor | None:
     try:
-        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:
+        return decode_cpu(encoded)
+    except Exception:  # any decoder error: the caller counts the image unreadable
         return None
 
 

@@ -1,0 +1,108 @@
+"""nvJPEG failures fall back to the CPU decoder: real CUB JPEGs, the device decode faked to fail (no GPU needed).
+
+`decode.nvjpeg_decode` is the one call that touches nvJPEG; replacing it with one that raises is what a machine
+without a working nvJPEG does. The reference is a direct CPU decode of the same bytes (torchvision's libjpeg-turbo,
+and PIL's for the decoder-independent check)."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.io import decode_jpeg
+
+from infosieve_fast.data import decode
+from infosieve_fast.data.decode import DecodeCounts, decode_gpu
+from infosieve_fast.data.shards import make_shards
+from infosieve_fast.data.stream import ShardSource
+
+CLASSES, PER_CLASS = 3, 6
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")  # torchvision 0.29's codecs
+
+
+@pytest.fixture(scope="module")
+def cub_jpegs(realdata) -> list[bytes]:
+    """Eight real CUB JPEGs, as stored."""
+    root = realdata / "cub100" / "images"
+    out = []
+    for cls in sorted(os.listdir(root))[:2]:
+        out += [(root / cls / f).read_bytes() for f in sorted(os.listdir(root / cls))[:4]]
+    return out
+
+
+def _tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _no_nvjpeg(jpegs, device):
+    raise RuntimeError("nvJPEG is not available on this machine (faked)")
+
+
+def test_a_failed_nvjpeg_call_decodes_the_batch_on_the_cpu(cub_jpegs, monkeypatch):
+    monkeypatch.setattr(decode, "nvjpeg_decode", _no_nvjpeg)
+    counts = DecodeCounts()
+    got = decode_gpu([_tensor(b) for b in cub_jpegs], torch.device("cpu"), counts)
+    for img, data in zip(got, cub_jpegs, strict=True):
+        assert torch.equal(img, decode_jpeg(_tensor(data)))  # the CPU decode, bit for bit
+        pil = torch.from_numpy(np.array(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
+        assert img.shape == pil.shape and (img.float() - pil.float()).abs().mean() < 1.0  # another decoder agrees
+    assert counts.as_dict() == {"cpu": 8, "gpu": 0, "gpu_fallback": 8}
+    assert counts.gpu_error == "RuntimeError: nvJPEG is not available on this machine (faked)"
+
+
+def test_only_an_image_the_cpu_cannot_decode_either_is_lost(cub_jpegs, monkeypatch):
+    """nvJPEG's batched call fails as a whole when one image is bad: the rest of the batch still decodes."""
+    truncated = cub_jpegs[3][: len(cub_jpegs[3]) // 2]
+    batch = [*cub_jpegs[:3], truncated, *cub_jpegs[4:]]
+
+    def fails_on_truncated(jpegs, device):
+        if any(len(j) == len(truncated) for j in jpegs):
+            raise RuntimeError("nvjpegDecode failed: image incomplete (faked)")
+        return [decode_jpeg(j) for j in jpegs]
+
+    monkeypatch.setattr(decode, "nvjpeg_decode", fails_on_truncated)
+    counts = DecodeCounts()
+    got = decode_gpu([_tensor(b) for b in batch], torch.device("cpu"), counts)
+    assert got[3] is None
+    for i in (0, 1, 2, 4, 5, 6, 7):
+        assert torch.equal(got[i], decode_jpeg(_tensor(batch[i])))
+    assert counts.as_dict() == {"cpu": 7, "gpu": 0, "gpu_fallback": 8}
+    counts_ok = DecodeCounts()
+    decode_gpu([_tensor(b) for b in cub_jpegs[:5]], torch.device("cpu"), counts_ok)  # a good batch: no fallback
+    assert counts_ok.as_dict() == {"cpu": 0, "gpu": 5, "gpu_fallback": 0} and counts_ok.gpu_error is None
+
+
+@pytest.fixture(scope="module")
+def cub_shards(realdata, tmp_path_factory):
+    """18 real CUB images of 3 species as JPEG shards at shorter side 64."""
+    base = tmp_path_factory.mktemp("cub")
+    src = realdata / "cub100" / "images"
+    for cls in sorted(os.listdir(src))[:CLASSES]:
+        (base / "raw" / cls).mkdir(parents=True)
+        for f in sorted(os.listdir(src / cls))[:PER_CLASS]:
+            os.symlink(src / cls / f, base / "raw" / cls / f)
+    make_shards("imagefolder", base / "raw", base / "shards", shard_size_mb=0.05, resize=64, workers=1, progress=False)
+    return base / "shards"
+
+
+def test_the_stream_falls_back_serves_the_cpu_pixels_and_warns_once(cub_shards, monkeypatch, capfd):
+    """The GPU-decoding pipeline run with the CPU as its device and nvJPEG faked broken: every batch decodes on the
+    CPU, equal to the worker-decoded stream; one warning names the count and the fix; the counts say where."""
+    workers = ShardSource(cub_shards, cache="off", decode="cpu", num_workers=2)
+    batched = ShardSource(cub_shards, cache="off", decode="cpu", num_workers=2)
+    batched.gpu_decode = True  # the encoded-bytes path, decoded in this process by decode_gpu
+    monkeypatch.setattr(decode, "nvjpeg_decode", _no_nvjpeg)
+    n = CLASSES * PER_CLASS
+    a, b = list(workers.feature_batches(4)), list(batched.feature_batches(4))
+    assert [len(x.uq) for x in b] == [4, 4, 4, 4, 2]
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.uq, y.uq) and torch.equal(x.images, y.images)
+        assert (x.sizes is None and y.sizes is None) or torch.equal(x.sizes, y.sizes)
+    assert batched.unreadable() == [] and batched.decode_counts.as_dict() == {"cpu": n, "gpu": 0, "gpu_fallback": n}
+    assert workers.decode_counts.as_dict() == {"cpu": n, "gpu": 0, "gpu_fallback": 0}
+    err = capfd.readouterr().err
+    assert err.count("nvJPEG failed") == 1 and "a batch of 4 images" in err and "data.decode: cpu" in err
