@@ -614,7 +614,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kmeans-max-iter", type=int, default=10)
     p.add_argument("--skip-kmeans", action="store_true")
     args = smoke.shrink(
-        p.parse_args(argv), n=600, classes=10, shard_size_mb=0.5, batch_size=32, feature_batch_size=64, epochs=1,
+        p.parse_args(argv), n=1200, classes=10, shard_size_mb=0.5, batch_size=32, feature_batch_size=64, epochs=2,
         decode_n=16, decode_batch=8, decode_repeats=1, kmeans_n=2000, kmeans_dim=16, kmeans_k=20, kmeans_max_iter=2,
     )
     if args.world < 1 or args.workers < 0 or args.epochs < 1 or args.n < args.batch_size * args.world:

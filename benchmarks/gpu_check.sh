@@ -4,7 +4,8 @@
 #
 #   GPU_CHECK_COMMIT=$(git rev-parse HEAD) RESULTS_DIR=$OUT bash benchmarks/gpu_check.sh
 #
-# CPU rehearsal (CI runs it): INFOSIEVE_BENCH_SMOKE=1 makes every step run on the CPU at its script's smoke size.
+# CPU rehearsal (CI runs it): INFOSIEVE_BENCH_SMOKE=1 makes every step run on the CPU at its script's smoke size, its
+# archive going to RESULTS_DIR or a temporary folder.
 #
 # Everything lands in one archive, RESULTS_DIR/<card>-gpu-check.tar.gz (<card>: a slug of the GPU's name), packed
 # again after every step and on any exit, so a run cut short keeps what it measured; each benchmark also writes its
@@ -23,12 +24,15 @@
 # GPU_CHECK_DIRTY=1 marks an uncommitted tree. The tree hash in every JSON is computed from the files that ran.
 set -u
 cd "$(dirname "$0")/.." || exit 2
-RESULTS=${1:-${RESULTS_DIR:-benchmarks/results}}
+SMOKE=${INFOSIEVE_BENCH_SMOKE:-0}
+default_results=benchmarks/results
+[ "$SMOKE" = 1 ] && default_results=${TMPDIR:-/tmp}/infosieve-gpu-check-rehearsal  # never beside real results
+RESULTS=${1:-${RESULTS_DIR:-$default_results}}
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-360}
 mkdir -p "$RESULTS"
 
-if [ "${INFOSIEVE_BENCH_SMOKE:-0}" = 1 ]; then
+if [ "$SMOKE" = 1 ]; then
   DEVICE=cpu
   export TRITON_INTERPRET=1
 else

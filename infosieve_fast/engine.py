@@ -176,10 +176,8 @@ def build_model(cfg: Config, n_old: int, backbone: Backbone | None, pretrained: 
     weight, and the file may have moved since)."""
     t = cfg.train
     model_cfg = cfg.model if pretrained else dataclasses.replace(cfg.model, pretrained=None)
-    model = InfoSieve(model_cfg, n_old, backbone, t.frozen_bf16, t.checkpoint_blocks)
-    model.kernel_backend = t.kernels
-    model.labeller_grad_stop = cfg.loss.labeller_grad_stop
-    return model
+    grad_stop = cfg.loss.labeller_grad_stop
+    return InfoSieve(model_cfg, n_old, backbone, t.frozen_bf16, t.checkpoint_blocks, t.kernels, grad_stop)
 
 
 def check_source_fits(cfg: Config, source: GCDSource) -> None:

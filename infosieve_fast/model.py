@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,36 +155,108 @@ def build_backbone(
 
 
 def load_backbone_weights(net: nn.Module, path: str | Path) -> None:
-    """Load a local checkpoint in timm layout or the original DINO layout (`teacher`/`student`, `backbone.`, `module.`).
+    """Load a local checkpoint into a timm model, at the model's image size.
 
-    Classifier/projection (`head.*`) keys are dropped; any other mismatch is an error naming the keys.
+    Layouts: timm's own; the official DINOv2 one (facebookresearch/dinov2's `dinov2_vit{s,b,l}14[_reg]`: `mask_token`,
+    `register_tokens`, a 518 px position embedding); the original DINO one (`teacher`/`student`, `backbone.`,
+    `module.`). The checkpoint goes through timm's checkpoint filter of the model's family, as timm's own pretrained
+    weights do: DINOv2 keys are mapped (registers to `reg_token`, `mask_token` dropped) and the position embedding is
+    resampled to the model's patch grid. Classifier/projection `head.*` keys the model lacks are dropped; any other key
+    that is missing, unexpected or of another shape is an error naming it.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"model.pretrained={str(path)!r} does not exist: download the DINO ViT-B/16 backbone weights "
-            "(dino_vitbase16_pretrain.pth) or a timm checkpoint to that path, or point model.pretrained at it (a "
-            "relative path in a config file is resolved against the file's folder, on the command line against the "
-            "working directory); nothing is downloaded at run time"
+            "(dino_vitbase16_pretrain.pth), the DINOv2 ones (dinov2_vitb14_pretrain.pth) or a timm checkpoint to that "
+            "path, or point model.pretrained at it (a relative path in a config file is resolved against the file's "
+            "folder, on the command line against the working directory); nothing is downloaded at run time"
         )
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = _unwrapped(torch.load(path, map_location="cpu", weights_only=True))
+    _check_layout(net, state, path)
+    state = _timm_filtered(net, state, path)
+    own = net.state_dict()
+    # a classifier or DINO's projection head: `head.*` keys the feature extractor has no place for
+    state = {key: value for key, value in state.items() if key in own or not key.startswith("head.")}
+    _load_exactly(net, state, path)
+
+
+def _unwrapped(checkpoint: dict) -> dict:
+    """The model's tensors of a checkpoint: out of its wrapper (`teacher`, `student`, `state_dict`, `model`), without
+    the `module.` / `backbone.` prefixes."""
     for wrapper in ("teacher", "student", "state_dict", "model"):
-        if isinstance(state, dict) and wrapper in state and isinstance(state[wrapper], dict):
-            state = state[wrapper]
+        if isinstance(checkpoint, dict) and wrapper in checkpoint and isinstance(checkpoint[wrapper], dict):
+            checkpoint = checkpoint[wrapper]
             break
-    cleaned = {}
-    for key, value in state.items():
+    state = {}
+    for key, value in checkpoint.items():
         for prefix in ("module.", "backbone."):
             key = key.removeprefix(prefix)
-        if not key.startswith("head."):
-            cleaned[key] = value
-    result = net.load_state_dict(cleaned, strict=False)
-    if result.missing_keys or result.unexpected_keys:
+        state[key] = value
+    return state
+
+
+def _check_layout(net: nn.Module, state: dict, path: Path) -> None:
+    """Patch size and register tokens must agree before timm's filter runs: it would resample a 16-pixel patch
+    embedding to 14 pixels without a word, and fails on a position embedding with the other number of tokens."""
+    patch = state.get("patch_embed.proj.weight")
+    own = getattr(getattr(getattr(net, "patch_embed", None), "proj", None), "weight", None)
+    if patch is not None and own is not None and patch.ndim == own.ndim == 4 and patch.shape[-2:] != own.shape[-2:]:
         raise ValueError(
-            f"checkpoint {path} does not match the backbone: missing {result.missing_keys[:8]}"
-            f"{'...' if len(result.missing_keys) > 8 else ''}, unexpected {result.unexpected_keys[:8]}"
-            f"{'...' if len(result.unexpected_keys) > 8 else ''}; check model.backbone matches the checkpoint"
+            f"checkpoint {path} has {patch.shape[-1]}-pixel patches, the backbone {own.shape[-1]}-pixel ones: pick a "
+            f"model.backbone with patch{patch.shape[-1]} in its name (e.g. vit_base_patch16_224 for DINO, "
+            "vit_base_patch14_dinov2 for DINOv2)"
         )
+    has_registers = "register_tokens" in state or "reg_token" in state
+    wants_registers = getattr(net, "reg_token", None) is not None
+    if has_registers and not wants_registers:
+        raise ValueError(
+            f"checkpoint {path} has register tokens (a DINOv2 _reg model) and the backbone none: use a timm model with "
+            "4 registers, e.g. vit_base_patch14_reg4_dinov2"
+        )
+    if wants_registers and not has_registers:
+        raise ValueError(
+            f"the backbone has register tokens and checkpoint {path} none: use the timm model without _reg4 (e.g. "
+            "vit_base_patch14_dinov2)"
+        )
+
+
+def _timm_filtered(net: nn.Module, state: dict, path: Path) -> dict:
+    """`state` converted by the checkpoint filter of `net`'s timm model family (`checkpoint_filter_fn` of its module,
+    what timm applies to its own pretrained weights); unchanged for a family without one."""
+    convert = getattr(sys.modules.get(type(net).__module__), "checkpoint_filter_fn", None)
+    if convert is None:
+        return state
+    try:
+        return convert(state, net)
+    except RuntimeError as err:  # a tensor of the wrong size for the model (reshape, interpolate)
+        raise ValueError(
+            f"timm's checkpoint filter cannot convert {path} for this backbone ({err}); check model.backbone matches "
+            "the checkpoint"
+        ) from err
+
+
+def _load_exactly(net: nn.Module, state: dict, path: Path) -> None:
+    """Load `state` into `net` when it holds exactly the model's keys, each of the model's shape."""
+    own = net.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    reshaped = [
+        f"{key} {list(value.shape)} (model {list(own[key].shape)})"
+        for key, value in state.items()
+        if key in own and value.shape != own[key].shape
+    ]
+    found = [
+        f"{what} {names[:8]}{f' and {len(names) - 8} more' if len(names) > 8 else ''}"
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("other shape", reshaped))
+        if names
+    ]
+    if found:
+        raise ValueError(
+            f"checkpoint {path} does not match the backbone (after timm's checkpoint filter): {', '.join(found)}; "
+            "check model.backbone matches the checkpoint"
+        )
+    net.load_state_dict(state)
 
 
 # ---------------------------------------------------------------------------------------------------- projection head
@@ -266,6 +339,8 @@ class InfoSieve(nn.Module):
         backbone: Backbone | None = None,
         frozen_bf16: bool = False,
         checkpoint_trained: bool = False,
+        kernel_backend: str = "auto",
+        labeller_grad_stop: str = "none",
     ):
         super().__init__()
         if backbone is None:
@@ -280,8 +355,8 @@ class InfoSieve(nn.Module):
             self.backbone.feat_dim, cfg.proj_hidden_dim, cfg.proj_bottleneck_dim, cfg.proj_out_dim, cfg.proj_layers
         )
         self.labeller = Labeller(cfg.proj_out_dim, cfg.code_length, n_old, cfg.labeller_hidden_dim, cfg.labeller_layers)
-        self.kernel_backend = "auto"
-        self.labeller_grad_stop = "none"  # `loss.labeller_grad_stop`, set by the trainer
+        self.kernel_backend = kernel_backend  # train.kernels
+        self.labeller_grad_stop = labeller_grad_stop  # loss.labeller_grad_stop
 
     def features(self, images: Tensor) -> Tensor:
         """L2-normalised backbone features, the input of SS-k-means."""

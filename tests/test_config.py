@@ -1,3 +1,4 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 def test_every_shipped_config_loads_and_round_trips(tmp_path):
     assert {p.stem for p in CONFIGS} >= {
         "cub", "scars", "aircraft", "pets", "herbarium19", "cifar10", "cifar100", "imagenet100", "demo",
+        "dinov2-cub", "dinov2-scars", "dinov2-aircraft", "dinov2-pets",
     }  # fmt: skip
     for path in CONFIGS:
         cfg = load_config(path)
@@ -33,6 +35,21 @@ def test_paper_values_in_dataset_configs():
         0.35,
     )
     assert herb.kmeans.balanced is False and cub.kmeans.balanced is True
+
+
+@pytest.mark.parametrize("dataset", ["cub", "scars", "aircraft", "pets"])
+def test_dinov2_configs_change_only_the_backbone(dataset):
+    """DINOv2 ViT-B/14 at 224-pixel crops (timm's model is built at 518 unless told), the GCD papers' DINO
+    optimisation, and every other value InfoSieve's DINO one."""
+    dino, dinov2 = load_config(f"configs/{dataset}.yaml"), load_config(f"configs/dinov2-{dataset}.yaml")
+    m = dinov2.model
+    assert (m.backbone, m.backbone_kwargs, Path(m.pretrained).name) == (
+        "vit_base_patch14_dinov2", {"img_size": 224}, "dinov2_vitb14_pretrain.pth",
+    )  # fmt: skip
+    d, o, s = dinov2.data, dinov2.optim, dinov2.schedule
+    assert (d.crop_size, o.lr, s.epochs, d.batch_size) == (224, 0.1, 200, 128)
+    backbone = {"backbone": dino.model.backbone, "backbone_kwargs": {}, "pretrained": dino.model.pretrained}
+    assert dataclasses.replace(dinov2, name=dataset, model=dataclasses.replace(m, **backbone)) == dino
 
 
 def test_unknown_keys_are_rejected_by_full_name():

@@ -146,6 +146,7 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
     command = re.sub(r"(?<=--out )runs/\S+", str(out / "runs"), command)
     command = command.replace("$OUT", str(out)).replace("$(git rev-parse HEAD)", "smoke")
     command = re.sub(r"--commit C$", "--commit HEAD", command)
+    command = command.replace("--set KEY=VALUE", "--set loss.beta=0.5")  # a search's template: its first candidate
     if "bench_tree" in command and "--out" not in command and "--diagnose" not in command:
         # the ablation's cached backbone views are shared by its commands; each bench_tree command trains its own runs
         shared = Path(bound["tmp"]) / "bench_tree_ablation"
