@@ -34,11 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels  # noqa: E402
+import infosieve_kernels as kernels  # noqa: E402
 from benchmarks import smoke  # noqa: E402
 from benchmarks.provenance import emit_json  # noqa: E402
 from infosieve_fast.precision import set_cuda_matmul_tf32  # noqa: E402
-from kernels import reference  # noqa: E402
+from infosieve_kernels import reference  # noqa: E402
 
 L = 40
 CODE_N = [256, 1024, 4096, 16384, 65536, 1 << 20]
@@ -64,7 +64,7 @@ class Budget:
 def fused_status(module: str) -> str | None:
     """None if `kernels.<module>` imports, else why it is unavailable."""
     try:
-        importlib.import_module(f"kernels.{module}")
+        importlib.import_module(f"infosieve_kernels.{module}")
     except Exception as exc:  # a missing or broken module is a result, not a crash
         return f"unavailable: kernels/{module}.py: {type(exc).__name__}: {exc}"
     return None
@@ -181,7 +181,7 @@ def variants_for(device: torch.device, fused_missing: str | None, compile_ok: bo
 
 def code_head_case(n: int, device, budget: Budget, args, plan: dict, compiled_fn) -> dict:
     fns = {
-        "fused": lambda *a: importlib.import_module("kernels.code_head_triton").code_head(*a),
+        "fused": lambda *a: importlib.import_module("infosieve_kernels.code_head_triton").code_head(*a),
         "eager": reference.code_head,
         "compiled": compiled_fn,
     }
@@ -223,8 +223,8 @@ def contrastive_loss(info_nce, supcon):
 def contrastive_case(n: int, d: int, device, budget: Budget, args, plan: dict, compiled_fn) -> dict:
     fns = {
         "fused": contrastive_loss(
-            lambda *a: importlib.import_module("kernels.contrastive_triton").info_nce_loss(*a),
-            lambda *a: importlib.import_module("kernels.contrastive_triton").supcon_loss(*a),
+            lambda *a: importlib.import_module("infosieve_kernels.contrastive_triton").info_nce_loss(*a),
+            lambda *a: importlib.import_module("infosieve_kernels.contrastive_triton").supcon_loss(*a),
         ),
         "eager": contrastive_loss(reference.info_nce_loss, reference.supcon_loss),
         "compiled": compiled_fn,

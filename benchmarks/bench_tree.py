@@ -122,7 +122,7 @@ def diagnose(n: int = 256, length: int = 40, classes: int = 20, seed: int = 0) -
 
     import torch
 
-    from kernels import reference as ref
+    from infosieve_kernels import reference as ref
 
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, classes, (n // 2,), generator=g).repeat(2)
@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
     args = smoke.shrink(
         p.parse_args(argv), classes=2, seeds=[1],
         more_sets=("schedule.epochs=1", "data.crop_size=64", "data.batch_size=32"),
-    )  # fmt: skip
+    )
     if args.diagnose:
         result = {"diagnosis": diagnose()}
         print(json.dumps(result, indent=1))

@@ -107,7 +107,7 @@ def check_nvjpeg(device: torch.device) -> dict:
 
 def check_triton(device: torch.device) -> dict:
     """`code_head` forward, fused (Triton) against the PyTorch reference, on `device`."""
-    from kernels import code_head_triton, reference
+    from infosieve_kernels import code_head_triton, reference
 
     gen = torch.Generator().manual_seed(0)
     inputs = code_head_triton.make_inputs(TRITON_N, TRITON_L, device=device, requires_grad=False, generator=gen)

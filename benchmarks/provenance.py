@@ -23,7 +23,7 @@ import torch
 from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE_PATHS = ("pyproject.toml", "infosieve_fast", "kernels", "benchmarks", "configs", "tests")
+CODE_PATHS = ("pyproject.toml", "infosieve_kernels.py", "infosieve_fast", "kernels", "benchmarks", "configs", "tests")
 NOT_CODE = {"__pycache__", "results", ".pytest_cache", ".benchmarks"}
 
 
@@ -64,7 +64,11 @@ def tree_hash(root: str | Path = ROOT) -> str:
 def commit_tree_hash(commit: str) -> str:
     """`tree_hash` of a commit's code, from `git archive` (the working tree is not touched)."""
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "archive", commit, *CODE_PATHS], cwd=ROOT, capture_output=True, check=True)
+        listed = subprocess.run(
+            ["git", "ls-tree", "--name-only", commit], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split()
+        paths = [path for path in CODE_PATHS if path in listed]  # an older commit may lack some
+        archive = subprocess.run(["git", "archive", commit, *paths], cwd=ROOT, capture_output=True, check=True)
         tar_path = Path(tmp) / "code.tar"
         tar_path.write_bytes(archive.stdout)
         with tarfile.open(tar_path) as tar:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
+import infosieve_kernels as kernels
 
 from .config import LossConfig
 from .model import ModelOutput
@@ -48,12 +48,12 @@ class InfoSieveLoss:
         t, smoothing, tau, rowsum = self._settings(is_code)
         if feats is sup_feats:  # the input branch: one Gram matrix for the three terms
             unsup, (sup_gt, sup_pseudo) = kernels.info_nce_and_supcon(
-                feats, [gt, pseudo], t, smoothing, tau, tau, rowsum, backend=self.backend
+                feats, [gt, pseudo], t, smoothing, tau, tau, rowsum_normalize=rowsum, backend=self.backend
             )
         else:
-            unsup = kernels.info_nce_loss(feats, t, smoothing, rowsum, backend=self.backend)
-            sup_gt = kernels.supcon_loss(sup_feats, gt, tau, tau, rowsum, backend=self.backend)
-            sup_pseudo = kernels.supcon_loss(sup_feats, pseudo, tau, tau, rowsum, backend=self.backend)
+            unsup = kernels.info_nce_loss(feats, t, smoothing, rowsum_normalize=rowsum, backend=self.backend)
+            sup_gt = kernels.supcon_loss(sup_feats, gt, tau, tau, rowsum_normalize=rowsum, backend=self.backend)
+            sup_pseudo = kernels.supcon_loss(sup_feats, pseudo, tau, tau, rowsum_normalize=rowsum, backend=self.backend)
         return (1 - sup_weight) * unsup + sup_weight * (sup_gt + sup_pseudo) / 2, unsup, sup_gt, sup_pseudo
 
     def _code_constraint(self, out: ModelOutput) -> Tensor:

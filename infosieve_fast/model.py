@@ -19,31 +19,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-import kernels
+import infosieve_kernels as kernels
+from infosieve_kernels.layers import mlp, trunc_normal_init
 
 from .config import ModelConfig
 
 _BLOCK_INDEX = re.compile(r"blocks?\.(\d+)\.")
-
-
-def trunc_normal_init(module: nn.Module) -> None:
-    if isinstance(module, nn.Linear):
-        nn.init.trunc_normal_(module.weight, std=0.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-
-def mlp(in_dim: int, hidden_dim: int, out_dim: int, n_hidden: int, use_bn: bool = False) -> nn.Sequential:
-    """Linear(in, h), GELU, [Linear(h, h), GELU] * n_hidden, Linear(h, out), with BatchNorm1d before each GELU if
-    `use_bn`: the projection head's and the labeller's MLPs (REFERENCE §2.2, §2.3)."""
-    layers: list[nn.Module] = []
-    for width in [in_dim] + [hidden_dim] * n_hidden:
-        layers.append(nn.Linear(width, hidden_dim))
-        if use_bn:
-            layers.append(nn.BatchNorm1d(hidden_dim))
-        layers.append(nn.GELU())
-    layers.append(nn.Linear(hidden_dim, out_dim))
-    return nn.Sequential(*layers)
 
 
 # ----------------------------------------------------------------------------------------------------------- backbone

@@ -1,7 +1,7 @@
 """Fused Triton code head: the labeller's elementwise block and its three regularisers (REFERENCE.md §2.3, §3.3-3.5).
 
 `code_head(code_feat, mask_feat, age, code_weight, length_weight)` computes the same `CodeHead` as
-`kernels.reference.code_head`, forward and backward, with three small kernels:
+`reference.code_head`, forward and backward, with three small kernels:
 
 - forward (`_fwd_kernel`): program p owns a contiguous run of `tiles_per_prog` row tiles of [BLOCK_N, BLOCK_L]
   (BLOCK_L = next_pow2(L), BLOCK_N * BLOCK_L ~ 2048 elements). It reads each input element once, writes the four
@@ -23,18 +23,13 @@ tanh keeps full relative precision for the tiny pre-activations of early trainin
 see them to ~1e-15. No host synchronisation: the scalar upstream grads are read on the device.
 
 There is no gradient for `age`, `code_weight` or `length_weight` (they are schedule constants in InfoSieve).
-
-Measured on one H200 (torch 2.11, triton 3.6, fp32, L = 40, `triton.testing.do_bench` medians, one run): N = 1M
-forward 0.42 ms (~2.4 TB/s of the minimal traffic), forward+backward 1.08 ms against 5.2 ms eager; L = 256, N = 1M:
-1.9 ms / 5.5 ms against 9.7 / 31.7 ms eager. Below N ~ 64K the call is host-bound (about 85 us of Python and launch
-per forward, 390 us per forward+backward through autograd, against 210 / 1300 us eager).
+Timings: benchmarks/bench_kernels.py, results in benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import os
 import struct
 from contextlib import contextmanager
 
@@ -43,18 +38,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import launch
 from .reference import CodeHead, positional_weights
 
 __all__ = ["CodeHead", "code_head", "launch_config", "make_inputs"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_L = 4096  # register tiles hold a whole row; the InfoSieve code length is 40 (the issue asks for up to 256)
-TILE_ELEMENTS = 2048  # BLOCK_N * BLOCK_L per tile (H200 sweep at N = 1M, L = 40: 2048 beat 4096 and 8192)
+TILE_ELEMENTS = 2048  # BLOCK_N * BLOCK_L per tile: the fastest of 2048, 4096 and 8192 in a GPU sweep
 SINGLE_PROGRAM_ELEMENTS = 32768  # at most this many (padded) elements: one forward program, no finalize launch
 PROGRAMS_PER_SM = 8
 
-# Test hooks (kept private): tile rows / program cap / single-program threshold, and the allocator of every buffer the
-# kernels write (tests swap in a NaN-filled allocator so that an element a kernel forgot to write shows up).
+# Test and tuning hook: forces tile rows, the program cap, the single-program threshold or the warps (see _override).
+# The buffer hook is `launch.new_buffer`.
 _TUNING: dict[str, int | None] = {
     "block_n": None,
     "block_p": None,
@@ -62,7 +58,6 @@ _TUNING: dict[str, int | None] = {
     "single_program_elements": None,
     "num_warps": None,
 }
-_new_buffer = torch.empty
 
 
 @contextmanager
@@ -158,35 +153,40 @@ def _prologue(age_hi, age_lo, c_hi, c_lo, w_ptr, lw_ptr, L: tl.constexpr, BLOCK_
 
 @triton.jit
 def _fwd_kernel(
-    x_ptr,
-    y_ptr,
+    # input pointers and their strides (row n, column l)
+    x_ptr,  # code_feat [N, L]
+    y_ptr,  # mask_feat [N, L]
     sx_n,
     sx_l,
     sy_n,
     sy_l,
-    w_ptr,
-    lw_ptr,
-    raw_ptr,
+    w_ptr,  # code_weight [L]
+    lw_ptr,  # length_weight [L]
+    # output pointers: the four [N, L] outputs (contiguous, input dtype), then the compute-dtype reductions
+    raw_ptr,  # code_raw
     mask_ptr,
     code_ptr,
-    trunc_ptr,
-    part_ptr,
-    mean_ptr,
-    cc_ptr,
-    mc_ptr,
-    len_ptr,
+    trunc_ptr,  # trunc_code
+    part_ptr,  # per-program partial sums [P, BLOCK_L + 4] (column sums of z, then three scalars); unused when FINAL
+    mean_ptr,  # column means of z [L], kept for the backward
+    cc_ptr,  # code_cond
+    mc_ptr,  # mask_cond
+    len_ptr,  # length
+    # sizes
     N,
-    tiles_per_prog,
+    tiles_per_prog,  # row tiles each program walks
+    # scalars: age and c = 1/(age + 1), each an fp32 hi + lo pair (see _split)
     age_hi,
     age_lo,
     c_hi,
     c_lo,
-    L: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    X_CONTIG: tl.constexpr,
+    # meta-parameters
+    L: tl.constexpr,  # code length
+    BLOCK_N: tl.constexpr,  # rows per tile
+    BLOCK_L: tl.constexpr,  # next_pow2(L)
+    X_CONTIG: tl.constexpr,  # x is row-major contiguous: index without its strides
     Y_CONTIG: tl.constexpr,
-    FINAL: tl.constexpr,
+    FINAL: tl.constexpr,  # one program covers the batch: it finishes the reduction itself
 ):
     CT: tl.constexpr = mean_ptr.dtype.element_ty  # compute dtype: fp32, or fp64 for fp64 inputs
     OT: tl.constexpr = raw_ptr.dtype.element_ty  # output dtype = input dtype
@@ -235,17 +235,20 @@ def _fwd_kernel(
 
 @triton.jit
 def _finalize_kernel(
+    # pointers (as in _fwd_kernel): the partial sums and length_weight in, the reductions out
     part_ptr,
     lw_ptr,
     mean_ptr,
     cc_ptr,
     mc_ptr,
     len_ptr,
+    # sizes
     N,
-    P,
+    P,  # forward programs (rows of part)
+    # meta-parameters
     L: tl.constexpr,
     BLOCK_L: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # partial rows summed per loop step
 ):
     CT: tl.constexpr = mean_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_L)
@@ -272,6 +275,7 @@ def _finalize_kernel(
 
 @triton.jit
 def _bwd_kernel(
+    # input pointers and strides, and the column means: as in _fwd_kernel
     x_ptr,
     y_ptr,
     sx_n,
@@ -281,6 +285,8 @@ def _bwd_kernel(
     w_ptr,
     lw_ptr,
     mean_ptr,
+    # upstream gradients of the four [N, L] outputs with their strides (row n, column l), then of the three scalars;
+    # an absent one (HAS_* False) is a dummy pointer
     g_raw_ptr,
     sgr_n,
     sgr_l,
@@ -296,13 +302,17 @@ def _bwd_kernel(
     g_cc_ptr,
     g_mc_ptr,
     g_len_ptr,
+    # output pointers: d code_feat, d mask_feat [N, L] (contiguous)
     dx_ptr,
     dy_ptr,
+    # size and scalars: as in _fwd_kernel
     N,
     age_hi,
     age_lo,
     c_hi,
     c_lo,
+    # meta-parameters: as in _fwd_kernel, plus the *_CONTIG flags of the gradients, which gradients are present
+    # (HAS_*), and which input gradients are wanted (NEED_*)
     L: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -380,10 +390,6 @@ def _bwd_kernel(
 
 
 # ------------------------------------------------------------------------------------------------------------ host side
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _to_f32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
@@ -481,11 +487,7 @@ def _check(code_feat, mask_feat, age, code_weight, length_weight) -> float:
     devices = {t.device for t in (code_feat, mask_feat, code_weight, length_weight)}
     if len(devices) != 1:
         raise ValueError(f"code_head: all tensors must be on one device, got {sorted(map(str, devices))}")
-    if code_feat.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            f"code_head: the Triton kernels need CUDA tensors (got {code_feat.device}); use backend='torch' "
-            "or set TRITON_INTERPRET=1 before triton is imported"
-        )
+    launch.check_device(code_feat, "code_head")
     if isinstance(age, Tensor):
         if age.numel() != 1:
             raise ValueError(f"code_head: age must be a number, got a tensor of shape {tuple(age.shape)}")
@@ -504,14 +506,14 @@ def _contig(t: Tensor) -> bool:
 
 def _forward(x: Tensor, y: Tensor, age: float, w: Tensor, lw: Tensor):
     n, length = x.shape
-    ct = _compute_dtype(x.dtype)
+    ct = launch.compute_dtype(x.dtype)
     cfg = launch_config(n, length, x.device)
     w, lw = w.contiguous(), lw.contiguous()
-    raw, mask, code, trunc = (_new_buffer((n, length), dtype=x.dtype, device=x.device) for _ in range(4))
-    colmean = _new_buffer((length,), dtype=ct, device=x.device)
-    cc, mc, ln = (_new_buffer((), dtype=ct, device=x.device) for _ in range(3))
+    raw, mask, code, trunc = (launch.new_buffer((n, length), dtype=x.dtype, device=x.device) for _ in range(4))
+    colmean = launch.new_buffer((length,), dtype=ct, device=x.device)
+    cc, mc, ln = (launch.new_buffer((), dtype=ct, device=x.device) for _ in range(3))
     programs, final = cfg["fwd_programs"], cfg["finalize"] == 0
-    part = colmean if final else _new_buffer((programs, cfg["block_l"] + 4), dtype=ct, device=x.device)
+    part = colmean if final else launch.new_buffer((programs, cfg["block_l"] + 4), dtype=ct, device=x.device)
     age_hi, age_lo, c_hi, c_lo = _scalars(age)
     _fwd_kernel[(programs,)](
         x, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), w, lw,
@@ -536,8 +538,8 @@ def _backward(x, y, age, w, lw, colmean, grads, need_dx, need_dy):
         return None, None
     n, length = x.shape
     cfg = launch_config(n, length, x.device)
-    dx = _new_buffer((n, length), dtype=x.dtype, device=x.device) if need_dx else colmean
-    dy = _new_buffer((n, length), dtype=y.dtype, device=y.device) if need_dy else colmean
+    dx = launch.new_buffer((n, length), dtype=x.dtype, device=x.device) if need_dx else colmean
+    dy = launch.new_buffer((n, length), dtype=y.dtype, device=y.device) if need_dy else colmean
 
     def tensor_arg(g):  # (pointer, stride_n, stride_l, contiguous); a dummy pointer when the grad is absent
         if g is None:
@@ -580,7 +582,7 @@ class _CodeHeadFunction(torch.autograd.Function):
 
 
 def code_head(code_feat: Tensor, mask_feat: Tensor, age: float, code_weight: Tensor, length_weight: Tensor) -> CodeHead:
-    """Fused Triton version of `kernels.reference.code_head` (same outputs; see the module docstring).
+    """Fused Triton version of `reference.code_head` (same outputs; see the module docstring).
 
     `code_feat`, `mask_feat`: [N, L] pre-activations (fp16/bf16/fp32/fp64, same dtype and device, any strides).
     `age`: Python float. `code_weight`, `length_weight`: [L] floating tensors (no gradient flows into them).

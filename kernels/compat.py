@@ -2,9 +2,10 @@
 
 Each class or function here has the name and call signature of its counterpart in the reference
 `methods/contrastive_training/contrastive_training.py` / `models/vision_transformer.py`, and computes the same value
-through the `kernels` dispatch (fused Triton kernels on CUDA, the PyTorch reference elsewhere; the environment
+through the `infosieve_kernels` dispatch (fused Triton kernels on CUDA, the PyTorch reference elsewhere; the environment
 variable `INFOSIEVE_KERNELS=triton|torch` forces one everywhere). `patch_reference(module)` swaps them into a loaded
-reference module, the way Liger-Kernel's `apply_liger_kernel_to_*` patches a model.
+reference module, the way Liger-Kernel's `apply_liger_kernel_to_*` patches a model. The reference's `is_code`
+argument keeps its name here; it is the kernels' `rowsum_normalize` (divide distances by their row sums).
 
 Differences from the reference, all within float tolerance (see docs/compat.md):
 - Distances have an exactly zero diagonal. The reference's `torch.cdist` takes the matrix-multiply path for more than
@@ -24,11 +25,10 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from infosieve_fast.model import mlp, trunc_normal_init
-
-from . import code_head as _code_head
-from . import info_nce_loss as _info_nce_loss
-from . import supcon_loss as _supcon_loss
+from .dispatch import code_head as _code_head
+from .dispatch import info_nce_loss as _info_nce_loss
+from .dispatch import supcon_loss as _supcon_loss
+from .layers import mlp, trunc_normal_init
 from .reference import contrastive_logits, length_loss, supcon_anchor_terms
 
 __all__ = [
@@ -52,7 +52,7 @@ def info_nce_loss(
 
     `features` [2B, D], view-major. Returns a scalar.
     """
-    return _info_nce_loss(features, temperature, label_smoothing, is_code, backend=backend)
+    return _info_nce_loss(features, temperature, label_smoothing, rowsum_normalize=is_code, backend=backend)
 
 
 class SupConLoss(nn.Module):
@@ -91,7 +91,12 @@ class SupConLoss(nn.Module):
             return _supcon_torch(self, features, mask.float().to(features.device), is_code)
         flat = torch.cat(torch.unbind(features, dim=1), dim=0)  # view-major anchors, as the reference
         return _supcon_loss(
-            flat, ids.repeat(n_views), self.temperature, self.base_temperature, is_code, backend=self.backend
+            flat,
+            ids.repeat(n_views),
+            self.temperature,
+            self.base_temperature,
+            rowsum_normalize=is_code,
+            backend=self.backend,
         )
 
 
@@ -121,17 +126,17 @@ def _mask_as_ids(mask: Tensor) -> Tensor | None:
     return ids
 
 
-def _supcon_torch(loss: SupConLoss, features: Tensor, mask: Tensor, is_code: bool) -> Tensor:
-    """The reference SupCon for any mask / contrast mode (the fallback path), on `kernels.reference`'s logits.
+def _supcon_torch(loss: SupConLoss, features: Tensor, mask: Tensor, rowsum_normalize: bool) -> Tensor:
+    """The reference SupCon for any mask / contrast mode (the fallback path), on `reference.py`'s logits.
 
     'one' mode anchors are the first `bsz` rows; every anchor counts in the mean, so one without a positive gives the
-    reference's NaN. With `is_code` every column is divided by its row's sum over all rows (in 'one' mode the
+    reference's NaN. With `rowsum_normalize` every column is divided by its row's sum over all rows (in 'one' mode the
     reference's broadcast fails there).
     """
     bsz, n_views = features.shape[:2]
     anchor_count = n_views if loss.contrast_mode == "all" else 1
     contrast = torch.cat(torch.unbind(features, dim=1), dim=0)
-    logits = contrastive_logits(contrast, loss.temperature, is_code)[: anchor_count * bsz]
+    logits = contrastive_logits(contrast, loss.temperature, rowsum_normalize)[: anchor_count * bsz]
     positives = mask.repeat(anchor_count, n_views).fill_diagonal_(0)
     log_prob_pos, n_pos = supcon_anchor_terms(logits, positives)
     return (-(loss.temperature / loss.base_temperature) * log_prob_pos / n_pos).view(anchor_count, bsz).mean()
@@ -187,7 +192,7 @@ class DINOLABELLING(nn.Module):
 
     Same constructor, modules and state-dict keys as the reference. `age` (float) and `code_weight` (tensor [L] or a
     scalar) are plain attributes, not state, so the training loop may reassign them every epoch and reference state
-    dicts (which lack both) load as they are. The elementwise block after the two MLPs runs in `kernels.code_head`.
+    dicts (which lack both) load as they are. The elementwise block after the two MLPs runs in the fused `code_head`.
     """
 
     def __init__(

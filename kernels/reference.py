@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ROW_SUM_EPS = 1e-10  # the reference's `dist.sum(dim=1) + 1e-10` in the code-distance normalisation
+# Shared with the Triton kernels, which read them as constexprs.
+ROW_SUM_EPS = 1e-10  # the reference's `dist.sum(dim=1) + 1e-10` in the row-sum normalisation of distances
+NORM_EPS = 1e-12  # F.normalize's eps: rows shorter than this are divided by it, not by their norm
 
 
 class CodeHead(NamedTuple):
@@ -68,16 +70,17 @@ def pairwise_distances(x: Tensor) -> Tensor:
     return torch.where(positive, torch.where(positive, d2, torch.ones_like(d2)).sqrt(), torch.zeros_like(d2))
 
 
-def contrastive_logits(x: Tensor, temperature: float, is_code: bool) -> Tensor:
-    """-d / T, or for codes -d_ij / (sum_k d_jk + 1e-10) / T (column j divided by row j's sum, REFERENCE.md §3.2)."""
+def contrastive_logits(x: Tensor, temperature: float, rowsum_normalize: bool) -> Tensor:
+    """-d / T, or with `rowsum_normalize` -d_ij / (sum_k d_jk + ROW_SUM_EPS) / T: column j divided by row j's sum, as
+    the reference does for the codes (its `is_code=True`, REFERENCE.md §3.2)."""
     d = pairwise_distances(x)
-    if is_code:
+    if rowsum_normalize:
         d = d / (d.sum(1)[None, :] + ROW_SUM_EPS)
     return -d / temperature
 
 
 def info_nce_loss(
-    features: Tensor, temperature: float = 1.0, label_smoothing: float = 0.0, is_code: bool = False
+    features: Tensor, temperature: float = 1.0, label_smoothing: float = 0.0, rowsum_normalize: bool = False
 ) -> Tensor:
     """Euclidean InfoNCE over 2 views with label smoothing: CE(label_smoothing) over `info_nce_logits` (§3.1).
 
@@ -87,7 +90,7 @@ def info_nce_loss(
     n = features.shape[0]
     if n < 2 or n % 2:
         raise ValueError(f"features must hold 2 views of B >= 1 samples (an even number of rows), got {n} rows")
-    logits = contrastive_logits(F.normalize(features, dim=1), temperature, is_code)
+    logits = contrastive_logits(F.normalize(features, dim=1, eps=NORM_EPS), temperature, rowsum_normalize)
     eye = torch.eye(n, dtype=torch.bool, device=features.device)
     log_p = torch.log_softmax(logits.masked_fill(eye, float("-inf")), dim=1).masked_fill(eye, 0.0)
     rows = torch.arange(n, device=features.device)
@@ -101,7 +104,7 @@ def supcon_loss(
     labels: Tensor,
     temperature: float = 0.07,
     base_temperature: float = 0.07,
-    is_code: bool = False,
+    rowsum_normalize: bool = False,
 ) -> Tensor:
     """Euclidean SupCon (`contrast_mode='all'`) over the rows whose label is not -1 (§3.1, §3.2).
 
@@ -116,7 +119,7 @@ def supcon_loss(
     x, y = features[keep], labels[keep]
     eye = torch.eye(x.shape[0], dtype=torch.bool, device=x.device)
     positives = (y[:, None] == y[None, :]) & ~eye
-    log_prob_pos, n_pos = supcon_anchor_terms(contrastive_logits(x, temperature, is_code), positives)
+    log_prob_pos, n_pos = supcon_anchor_terms(contrastive_logits(x, temperature, rowsum_normalize), positives)
     has_pos = n_pos > 0
     if not bool(has_pos.any()):
         return features.sum() * 0.0
@@ -141,9 +144,11 @@ def info_nce_and_supcon(
     label_smoothing: float = 0.0,
     supcon_temperature: float = 0.07,
     base_temperature: float = 0.07,
-    is_code: bool = False,
+    rowsum_normalize: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
     """`info_nce_loss` and one `supcon_loss` per label vector on the same features (the fused twin shares their Gram
     matrix)."""
-    nce = info_nce_loss(features, temperature, label_smoothing, is_code)
-    return nce, [supcon_loss(features, y, supcon_temperature, base_temperature, is_code) for y in supcon_labels]
+    nce = info_nce_loss(features, temperature, label_smoothing, rowsum_normalize)
+    return nce, [
+        supcon_loss(features, y, supcon_temperature, base_temperature, rowsum_normalize) for y in supcon_labels
+    ]

@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import infosieve_kernels as kernels
 from infosieve_fast.config import ConfigError, LossConfig, load_config
 from infosieve_fast.loss import InfoSieveLoss
 from infosieve_fast.model import ModelOutput
-from kernels import reference as ref
+from infosieve_kernels import reference as ref
 from tests.test_loss import PARTS, Batch, assert_only_changed, assert_parts, expected_parts
 
 N_OLD = 3

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+import infosieve_kernels as kernels
 from benchmarks.published import model as standin
-from kernels import compat
+from infosieve_kernels import compat
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

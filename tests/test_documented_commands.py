@@ -21,6 +21,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +33,16 @@ from infosieve_fast import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CALLS = ("python ", "python3 ", "infosieve ", "torchrun ", "bash ", "GPU_CHECK_COMMIT=", "INFOSIEVE_BENCH_SMOKE=",
-         "PYTHONPATH=")
+CALLS = (
+    "python ",
+    "python3 ",
+    "infosieve ",
+    "torchrun ",
+    "bash ",
+    "GPU_CHECK_COMMIT=",
+    "INFOSIEVE_BENCH_SMOKE=",
+    "PYTHONPATH=",
+)
 ONE_EPOCH = ["--set", "schedule.epochs=1", "--set", "kmeans.n_init=1"]
 
 
@@ -50,21 +59,40 @@ PLAN = [
     Entry(r"infosieve train --config configs/demo\.yaml( --out \S+)?( --set \S+)*", "run"),
     Entry(r"infosieve train --resume \S+", "run"),
     Entry(r"infosieve (eval|tree|report|estimate-k) --run \S+( --depth \d+)?", "run"),
-    Entry(r"infosieve eval --run \S+ --split test", "parse", "needs a run on shards with a test split "
-          "(tests/test_eval_logging.py scores one)"),  # fmt: skip
+    Entry(
+        r"infosieve eval --run \S+ --split test",
+        "parse",
+        "needs a run on shards with a test split (tests/test_eval_logging.py scores one)",
+    ),  # fmt: skip
     Entry(r"infosieve predict --run \S+ --images \S+ --out \S+", "run"),
-    Entry(r"infosieve estimate-k --features \S+ --known-classes \d+ --json \S+", "parse", "over a minute on 2 cores; "
-          "tests/test_estimate_k.py runs the same search on the same features"),  # fmt: skip
-    Entry(r"infosieve make-shards --dataset (cub|imagenet1k) .*", "parse", "needs the dataset download "
-          "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run both layouts on stand-ins)"),  # fmt: skip
+    Entry(
+        r"infosieve estimate-k --features \S+ --known-classes \d+ --json \S+",
+        "parse",
+        "over a minute on 2 cores; tests/test_estimate_k.py runs the same search on the same features",
+    ),  # fmt: skip
+    Entry(
+        r"infosieve make-shards --dataset (cub|imagenet1k) .*",
+        "parse",
+        "needs the dataset download "
+        "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run both layouts on stand-ins)",
+    ),  # fmt: skip
     Entry(r"infosieve train --config configs/cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
-    Entry(r"torchrun --nproc_per_node=\d+ -m infosieve_fast\.cli .*", "parse", "needs several GPUs "
-          "(tests/test_engine_ddp.py runs the same path on gloo ranks)"),  # fmt: skip
-    Entry(r"python benchmarks/bench_kmeans\.py --device cuda .*", "gpu", "CUDA: benchmarks/gpu_check.sh runs it, "
-          "and its CPU rehearsal runs here (the gpu_check.sh entry)"),  # fmt: skip
+    Entry(
+        r"torchrun --nproc_per_node=\d+ -m infosieve_fast\.cli .*",
+        "parse",
+        "needs several GPUs (tests/test_engine_ddp.py runs the same path on gloo ranks)",
+    ),  # fmt: skip
+    Entry(
+        r"python benchmarks/bench_kmeans\.py --device cuda .*",
+        "gpu",
+        "CUDA: benchmarks/gpu_check.sh runs it, and its CPU rehearsal runs here (the gpu_check.sh entry)",
+    ),  # fmt: skip
     Entry(r"python benchmarks/\w+\.py.*", "run"),
-    Entry(r"(GPU_CHECK_COMMIT=\$\(git rev-parse HEAD\) RESULTS_DIR=\S+ |INFOSIEVE_BENCH_SMOKE=1 )"
-          r"bash benchmarks/gpu_check\.sh", "run"),
+    Entry(
+        r"(GPU_CHECK_COMMIT=\$\(git rev-parse HEAD\) RESULTS_DIR=\S+ |INFOSIEVE_BENCH_SMOKE=1 )"
+        r"bash benchmarks/gpu_check\.sh",
+        "run",
+    ),
     Entry(r"python -m benchmarks\.provenance( --commit \S+)?", "run"),
 ]
 
@@ -119,18 +147,16 @@ def test_every_benchmark_script_is_run_by_a_documented_command_or_the_gpu_check(
 
 @pytest.fixture(scope="module")
 def bound(tmp_path_factory, realdata) -> dict[str, str]:
-    """What the placeholders stand for: a one-epoch demo run, real images to sort, and fresh output paths."""
+    """What the placeholders stand for: the demo run (trained by the README's first command), real images to sort,
+    and fresh output paths."""
     tmp = tmp_path_factory.mktemp("documented")
-    run_dir = tmp / "demo-run"
-    subprocess.run([sys.executable, "-m", "infosieve_fast.cli", "train", "--config", "configs/demo.yaml",
-                    "--out", str(run_dir), *ONE_EPOCH], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
     images = tmp / "images"
     images.mkdir()
     with gzip.open(realdata / "mnist_t10k" / "t10k-images-idx3-ubyte.gz") as f:
         digits = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
     for i in range(12):
         Image.fromarray(digits[i]).save(images / f"{i:04d}.png")
-    return {"tmp": str(tmp), "run": str(run_dir), "images": str(images), "realdata": str(realdata)}
+    return {"tmp": str(tmp), "run": str(tmp / "demo-run"), "images": str(images), "realdata": str(realdata)}
 
 
 def bind(command: str, bound: dict[str, str], name: str) -> str:
@@ -140,8 +166,11 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
     command = re.sub(r"runs/demo-<timestamp>|/tmp/demo_readme|\bRUN\b(?!_)", bound["run"], command)
     command = re.sub(r"NEW_IMAGES/|/tmp/mnist200(?=\s|$)", bound["images"], command)
     command = re.sub(r"--out /tmp/demo_\w+", f"--out {out}", command)
-    command = re.sub(r"(?<=\s)(benchmarks/results/|docs/|runs/|/tmp/)?[\w.-]+\.(json|jsonl|csv)\b",
-                     lambda m: str(out / Path(m.group(0)).name), command)  # fmt: skip
+    command = re.sub(
+        r"(?<=\s)(benchmarks/results/|docs/|runs/|/tmp/)?[\w.-]+\.(json|jsonl|csv)\b",
+        lambda m: str(out / Path(m.group(0)).name),
+        command,
+    )
     command = re.sub(r"--plots \S+", f"--plots {out}/plots", command)
     command = re.sub(r"(?<=--out )runs/\S+", str(out / "runs"), command)
     command = command.replace("$OUT", str(out)).replace("$(git rev-parse HEAD)", "smoke")
@@ -157,8 +186,12 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
 
 
 def run_shell(command: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "INFOSIEVE_BENCH_SMOKE": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    env = {
+        **os.environ,
+        "INFOSIEVE_BENCH_SMOKE": "1",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+    }
     command = re.sub(r"^python3? ", f"{sys.executable} ", command)
     return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -178,10 +211,43 @@ def _unique(commands: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize(("where", "command"), _unique(_documented("run")), ids=lambda x: x if ":" in x else "")
-def test_documented_command_runs_at_smoke_size(where, command, bound):
-    bound_command = bind(command, bound, re.sub(r"\W", "_", where))
-    done = run_shell(bound_command)
+DEMO_TRAIN = "infosieve train --config configs/demo.yaml"
+RUN_COMMANDS = _unique(_documented("run"))
+
+
+@pytest.fixture(scope="module")
+def outcomes(bound, request) -> dict[tuple[str, str], tuple[str, subprocess.CompletedProcess]]:
+    """The run of every documented command this session selected (`-k` picks some): first the README's demo training
+    (its folder is the RUN of the others), then on two workers (2 CPU cores) the commands that share a folder, one lane
+    per folder in order, beside the rest."""
+    selected = {
+        (item.callspec.params["where"], item.callspec.params["command"])
+        for item in request.session.items
+        if item.originalname == "test_documented_command_runs_at_smoke_size"
+    }
+    demo_key = next(key for key in RUN_COMMANDS if key[1] == DEMO_TRAIN)
+    bound_commands = {(w, c): bind(c, bound, re.sub(r"\W", "_", w)) for w, c in selected | {demo_key}}
+    demo = demo_key
+    bound_commands[demo] = bind(f"{DEMO_TRAIN} --out /tmp/demo_readme", bound, "demo")  # into RUN
+    done = {demo: run_shell(bound_commands[demo])}
+    lanes: dict[str, list] = {}
+    for key, command in bound_commands.items():
+        if key != demo:
+            shared = next((folder for folder in (bound["run"], "bench_tree_ablation") if folder in command), None)
+            lanes.setdefault(shared or str(key), []).append(key)
+
+    def run_lane(keys: list) -> dict:
+        return {key: run_shell(bound_commands[key]) for key in keys}
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for lane in [pool.submit(run_lane, keys) for keys in lanes.values()]:
+            done |= lane.result()
+    return {key: (bound_commands[key], result) for key, result in done.items()}
+
+
+@pytest.mark.parametrize(("where", "command"), RUN_COMMANDS, ids=lambda x: x if ":" in x else "")
+def test_documented_command_runs_at_smoke_size(where, command, outcomes):
+    bound_command, done = outcomes[where, command]
     assert done.returncode == 0, (
         f"{where}: {command}\nran as: {bound_command}\nexit {done.returncode}\n{done.stdout[-3000:]}\n"
         f"{done.stderr[-3000:]}"

@@ -8,7 +8,7 @@ import torch
 
 from benchmarks import gpu_preflight as pf
 from infosieve_fast.data import decode
-from kernels import code_head_triton, reference
+from infosieve_kernels import code_head_triton, reference
 
 
 def test_the_preflight_runs_here_and_writes_its_json(tmp_path, device):

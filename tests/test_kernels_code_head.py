@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
-import kernels
-from kernels import code_head_triton as CH
-from kernels import reference
+import infosieve_kernels as kernels
+from infosieve_kernels import code_head_triton as CH
+from infosieve_kernels import launch, reference
 
 SEED = int(os.environ.get("INFOSIEVE_TEST_SEED", "0"))
 
@@ -44,11 +44,11 @@ def poisoned_buffers(monkeypatch):
     """Every buffer the kernels write starts as NaN; returns the list of allocated shapes."""
     shapes = []
 
-    def nan_buffer(size, *, dtype, device):
+    def nan_buffer(size, dtype, device):
         shapes.append(tuple(size))
         return torch.full(size, math.nan, dtype=dtype, device=device)
 
-    monkeypatch.setattr(CH, "_new_buffer", nan_buffer)
+    monkeypatch.setattr(launch, "new_buffer", nan_buffer)
     return shapes
 
 

@@ -14,9 +14,10 @@ import os
 import pytest
 import torch
 
-import kernels
-from kernels import contrastive_triton as C
-from kernels import reference as ref
+import infosieve_kernels as kernels
+from infosieve_kernels import contrastive_triton as C
+from infosieve_kernels import launch
+from infosieve_kernels import reference as ref
 
 GRAMS = ("triton", "mm")
 SEED = int(os.environ.get("INFOSIEVE_TEST_SEED", "0"))
@@ -31,7 +32,7 @@ def poisoned_buffers(monkeypatch):
         buffers.append(torch.full(shape, float("nan"), dtype=dtype, device=device))
         return buffers[-1]
 
-    monkeypatch.setattr(C, "_buffer", nan_buffer)
+    monkeypatch.setattr(launch, "new_buffer", nan_buffer)
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     yield buffers
     for i, t in enumerate(buffers):

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import infosieve_kernels as kernels
 from infosieve_fast.config import LossConfig
 from infosieve_fast.loss import InfoSieveLoss
 from infosieve_fast.model import ModelOutput
-from kernels import reference as ref
+from infosieve_kernels import reference as ref
 
 SEED = int(os.environ.get("INFOSIEVE_TEST_SEED", "0"))  # inputs: this and the test name; printed on failure
 B, DIM, L, N_OLD = 4, 6, 5, 3

@@ -2,7 +2,7 @@ import pytest
 import timm
 import torch
 
-import kernels
+import infosieve_kernels as kernels
 from infosieve_fast.config import ModelConfig
 from infosieve_fast.model import Backbone, InfoSieve, Labeller, ProjectionHead, build_backbone, load_backbone_weights
 

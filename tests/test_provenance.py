@@ -19,8 +19,12 @@ def test_tree_hash_follows_the_code_and_nothing_else(tmp_path):
     base = provenance.tree_hash(_tree(tmp_path / "one", files))
     assert base == provenance.tree_hash(_tree(tmp_path / "two", files))  # same files, another folder
 
-    extras = {"benchmarks/results/r.json": "{}", "kernels/__pycache__/a.cpython-311.pyc": "", "docs/x.md": "text",
-              "kernels/c.pyc": ""}  # fmt: skip
+    extras = {
+        "benchmarks/results/r.json": "{}",
+        "kernels/__pycache__/a.cpython-311.pyc": "",
+        "docs/x.md": "text",
+        "kernels/c.pyc": "",
+    }
     assert provenance.tree_hash(_tree(tmp_path / "one", extras)) == base
 
     assert provenance.tree_hash(_tree(tmp_path / "three", {**files, "kernels/a.py": "x = 2\n"})) != base

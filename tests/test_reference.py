@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from benchmarks.published import model as orig
-from kernels import reference as ref
+from infosieve_kernels import reference as ref
 
 SEED = int(os.environ.get("INFOSIEVE_TEST_SEED", "0"))  # inputs: this and the test name; printed on failure
 B, D = 4, 3  # 4 samples x 3 dims, two views: N = 8 rows
@@ -162,7 +162,7 @@ def test_info_nce_hand_two_samples_1d(smoothing):
     # Codes: every row of d is (0, 2, 0, 2) in some order, so every row sum is 4 and the logits are (0, -1/2, -1/2):
     #   l = log(1 + 2 e^-0.5) + s * (0 + 1/2 + 1/2) / 3 = log(1 + 2 e^-0.5) + s / 3   (the 1e-10 is far below rtol)
     expected = math.log(1 + 2 * math.exp(-0.5)) + smoothing / 3
-    _close(ref.info_nce_loss(x, 1.0, smoothing, is_code=True), expected, rtol=1e-9, what="code")
+    _close(ref.info_nce_loss(x, 1.0, smoothing, rowsum_normalize=True), expected, rtol=1e-9, what="code")
     # T = 0.5 doubles the logits: log(1 + 2 e^-4) + 8 s / 3.
     _close(ref.info_nce_loss(x, 0.5, smoothing), math.log(1 + 2 * math.exp(-4)) + 8 * smoothing / 3, what="T=0.5")
 
@@ -179,7 +179,8 @@ def test_supcon_hand_1d():
     _close(ref.supcon_loss(x, torch.tensor([0, -1, 0, -1]), 0.5, 1.0), 0.0)
     # Codes, labels [0, 1, 0, 1]: each row of d is a permutation of (0, 3, 0, 3), row sum 6, so s = -d/6 in {0, -1/2},
     # /tau -> {0, -1}:  loss = 0.5 log(1 + 2 e^-1).
-    _close(ref.supcon_loss(x, torch.tensor([0, 1, 0, 1]), 0.5, 1.0, is_code=True), 0.5 * math.log(1 + 2 / math.e))
+    value = ref.supcon_loss(x, torch.tensor([0, 1, 0, 1]), 0.5, 1.0, rowsum_normalize=True)
+    _close(value, 0.5 * math.log(1 + 2 / math.e))
 
 
 def test_code_head_hand():
@@ -226,7 +227,7 @@ def test_supcon_anchors_without_positive_are_left_out(is_code, gen):
     y = torch.tensor([0, 1, 2, -1, 0, 3, 2, 4])
     _close(ref.supcon_loss(x, y, 0.3, 0.07, is_code), loop_supcon(x, y, 0.3, 0.07, is_code))
     distinct = torch.arange(2 * B)  # no anchor at all: 0, with a zero (finite) gradient
-    value = ref.supcon_loss(x, distinct, is_code=is_code)
+    value = ref.supcon_loss(x, distinct, rowsum_normalize=is_code)
     assert value.item() == 0.0 and torch.equal(torch.autograd.grad(value, x)[0], torch.zeros_like(x))
 
 
@@ -347,17 +348,17 @@ def test_supcon_matches_original_and_minus_one_is_the_labelled_subset(is_code, g
     y = torch.tensor([3, 1, 3, 0])
     lab = torch.tensor([True, False, True, True])
     # All samples with their labels (the pseudo-label term).
-    ours = ref.supcon_loss(x, y.repeat(2), is_code=is_code)
+    ours = ref.supcon_loss(x, y.repeat(2), rowsum_normalize=is_code)
     theirs = orig.SupConLoss()(_stack(x), labels=y, is_code=is_code)
     _close(ours, theirs)
     _close(torch.autograd.grad(ours, x)[0], torch.autograd.grad(theirs, x)[0], rtol=1e-10, atol=1e-12)
     # The ground-truth term: label -1 on unlabelled rows == SupConLoss on stack([F0[lab], F1[lab]], 1) with y[lab].
-    ours = ref.supcon_loss(x, torch.where(lab, y, -1).repeat(2), is_code=is_code)
+    ours = ref.supcon_loss(x, torch.where(lab, y, -1).repeat(2), rowsum_normalize=is_code)
     f0, f1 = x.chunk(2)
     theirs = orig.SupConLoss()(torch.stack([f0[lab], f1[lab]], 1), labels=y[lab], is_code=is_code)
     _close(ours, theirs)
     _close(torch.autograd.grad(ours, x)[0], torch.autograd.grad(theirs, x)[0], rtol=1e-10, atol=1e-12)
-    _close(ours, ref.supcon_loss(torch.cat([f0[lab], f1[lab]]), y[lab].repeat(2), is_code=is_code))
+    _close(ours, ref.supcon_loss(torch.cat([f0[lab], f1[lab]]), y[lab].repeat(2), rowsum_normalize=is_code))
 
 
 @pytest.mark.parametrize("weights", ["stale", "current"])

@@ -1,0 +1,39 @@
+"""Host-side helpers shared by the two Triton modules: where the kernels may run, their compute dtype, their buffers."""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import Tensor
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter: TRITON_INTERPRET=1, the value tests/conftest.py sets without a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_device(tensor: Tensor, op: str) -> None:
+    """The compiled kernels need CUDA tensors; under the interpreter they also take CPU tensors."""
+    if not tensor.is_cuda and not interpreting():
+        raise RuntimeError(
+            f"{op}: the Triton kernels need CUDA tensors (got a tensor on {tensor.device}): use backend='torch' on "
+            "the CPU, or set TRITON_INTERPRET=1 before triton is imported to run them in Triton's interpreter"
+        )
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels' arithmetic and scalar-output dtype: fp64 for fp64 inputs, fp32 for fp16/bf16/fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every buffer a kernel writes comes from here: tests swap in a NaN-filled allocator, so that an element a kernel
+    forgot to write shows up."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def device_ctx(tensor: Tensor) -> AbstractContextManager:
+    """Makes `tensor`'s GPU the current device for a launch (Triton launches on the current device)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext()
