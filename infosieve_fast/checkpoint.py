@@ -1,14 +1,21 @@
 """Atomic run-folder writes: a crash mid-write never leaves a half-written checkpoint, config or metrics file (only a
-temporary `.NAME.*.tmp` beside it); a kill mid-append can tear the last line of `log.jsonl`, which `read_log` drops."""
+temporary `.NAME.*.tmp` beside it); a kill mid-append can tear the last line of `log.jsonl`, which `read_log` drops.
+
+A checkpoint can also be written in the background (`save_checkpoint_in_background`): the state is copied to host
+memory at once, then serialised, fsynced and renamed into place by a writer thread while training goes on. At most one
+such write is pending: the next checkpoint write or read in the process waits for it first, and an error of the
+writer is raised there (or at exit)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
 import re
 import sys
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -34,9 +41,64 @@ def atomic_write(path: Path, write) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> Path:
+    wait_for_checkpoint()
     path = Path(run_dir) / CHECKPOINT
     atomic_write(path, lambda f: torch.save(state, f))
     return path
+
+
+class _BackgroundWrite:
+    """The pending background checkpoint write of this process (at most one) and the error it ended with."""
+
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+def host_copy(obj: Any) -> Any:
+    """`obj` with every tensor copied to host memory (a copy even of a CPU tensor, so that training may change the
+    original) and every dict, list and tuple rebuilt: a snapshot nothing else holds."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = type(obj)((k, host_copy(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # a module state_dict's versions, read by load_state_dict
+            out._metadata = host_copy(obj._metadata)
+        return out
+    if isinstance(obj, list | tuple):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj  # numbers, strings, bytes, None: immutable
+
+
+def save_checkpoint_in_background(run_dir: str | Path, state: dict[str, Any]) -> None:
+    """`save_checkpoint` of a host snapshot of `state` in a writer thread. Waits for (and raises the error of) the
+    previous background write first, so that checkpoints reach the disk in order."""
+    wait_for_checkpoint()
+    snapshot = host_copy(state)
+
+    def write() -> None:
+        try:
+            save_checkpoint(run_dir, snapshot)
+        except BaseException as err:  # raised in the training thread at its next wait
+            _BackgroundWrite.error = err
+
+    _BackgroundWrite.thread = threading.Thread(target=write, name="checkpoint-writer")
+    _BackgroundWrite.thread.start()
+
+
+def wait_for_checkpoint() -> None:
+    """Block until the pending background checkpoint write (if any) is durable; raise its error if it failed."""
+    thread = _BackgroundWrite.thread
+    if thread is threading.current_thread():
+        return  # the writer's own save_checkpoint call
+    if thread is not None:
+        thread.join()
+        _BackgroundWrite.thread = None
+    error, _BackgroundWrite.error = _BackgroundWrite.error, None
+    if error is not None:
+        raise RuntimeError(f"the background checkpoint write failed ({type(error).__name__}: {error})") from error
+
+
+atexit.register(wait_for_checkpoint)
 
 
 def rng_state() -> bytes:
@@ -55,7 +117,8 @@ class CheckpointError(ValueError):
 
 def load_checkpoint(run_dir: str | Path, map_location="cpu") -> dict[str, Any]:
     """The run's last checkpoint, read with `weights_only=True` (tensors, dicts, lists, str, bytes, numbers only: a
-    checkpoint never runs code when it is read)."""
+    checkpoint never runs code when it is read). A pending background write is waited for first."""
+    wait_for_checkpoint()
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"no {CHECKPOINT} in {run_dir}: pass the folder of a run that finished an epoch")

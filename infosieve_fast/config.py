@@ -120,9 +120,28 @@ class DigitsConfig:
 
 
 @dataclass
+class IntakeConfig:
+    """WebDataset shards written by other tools (no manifest.json; data/intake.py). The image is the first of
+    `image_keys` present, the label a class id or name under `label_key`, or the field `label_field` of that (json)
+    member; `class_list`: class names, one per line. The split is make-shards': `known_classes` (ids or names; null:
+    the first half), `labelled_prop` of their images labelled, chosen by `split_seed`."""
+
+    image_keys: str = "jpg;jpeg;png;webp"
+    label_key: str = "cls"
+    label_field: str | None = None
+    class_list: str | None = None
+    known_classes: list | None = None
+    labelled_prop: float = 0.5
+    split_seed: int = 0
+    index_cache: str = "~/.cache/infosieve/index"  # the saved shard index, when the shards' folder is read-only
+
+
+@dataclass
 class DataConfig:
     source: str = "shards"  # "shards" (data/stream.py) | "digits" (the embedded demo set)
-    shards: str | None = None  # folder written by `infosieve make-shards`
+    # A folder written by `infosieve make-shards`, or WebDataset shards from anywhere: a folder of tars, a brace
+    # pattern (train-{000000..000009}.tar), a glob, or a list of these (data/intake.py).
+    shards: str | list | None = None
     batch_size: int = 128
     feature_batch_size: int = 256
     labelled_share: float | None = None  # null = the reference's sampler weights ((U+L)/(2U+L))
@@ -140,6 +159,10 @@ class DataConfig:
     gpu_cache_share: float = 0.5  # cache="auto": on the GPU when the decoded split fits this share of free memory
     decode: str = "auto"  # "auto": nvJPEG on the GPU when training on CUDA, else the CPU workers | "cpu" | "gpu"
     max_aspect: float | None = None  # cap the stored images' longer side at this x the shorter (null: the reference)
+    # Stored images whose shorter side differs from this are resized on load (null: the make-shards manifest's
+    # resize; 256 for foreign shards).
+    resize: int | None = None
+    intake: IntakeConfig = field(default_factory=IntakeConfig)  # foreign shards and the saved index
     digits: DigitsConfig = field(default_factory=DigitsConfig)  # source: digits only (shards carry their split)
 
 
@@ -158,6 +181,9 @@ class TrainConfig:
     frozen_bf16: bool = False  # the frozen ViT prefix stored and run in plain bf16 instead of under autocast
     compile: bool = False  # torch.compile the backbone blocks and the projection head (CUDA only; ~20 s to compile)
     checkpoint_blocks: bool = False  # recompute the trained ViT blocks' activations in backward (less memory)
+    # each epoch's checkpoint serialised and fsynced in a writer thread while the next epoch runs (its state copied to
+    # host memory first); the next checkpoint and the end of the run wait for it, and a failed write is raised there
+    background_checkpoint: bool = True
     # Logging. eval_every N > 0: All/Old/New of the unlabelled train samples (and of the test split, for shards) in
     # log.jsonl every N epochs, as the published loop prints every epoch (0: only before and after training; each
     # evaluation costs a test-view feature pass and a k-means round). tensorboard: the log's numbers as TensorBoard
@@ -276,6 +302,9 @@ RANGES = {
     "data.labelled_share": Range(0.0, 1.0, null="the reference's sampler weights"),
     "data.gpu_cache_share": Range(0.0, 1.0, open_low=True),
     "data.max_aspect": Range(1.0, null="no cap"),
+    "data.resize": Range(1, null="the manifest's resize, 256 for foreign shards"),
+    "data.intake.labelled_prop": Range(0.0, 1.0, open_low=True),
+    "data.intake.split_seed": Range(0),
     "train.check_every": _SIZE,
     "train.eval_every": Range(0),
 }
@@ -402,6 +431,9 @@ def _check_rules(cfg: Config) -> None:
         if d.image_size < cfg.data.crop_size:
             size, crop = d.image_size, cfg.data.crop_size
             raise ConfigError(f"data.digits.image_size ({size}) must be >= data.crop_size ({crop}): raise it")
+    if cfg.data.resize is not None and cfg.data.resize < cfg.data.crop_size:
+        size, crop = cfg.data.resize, cfg.data.crop_size
+        raise ConfigError(f"data.resize ({size}) must be >= data.crop_size ({crop}): the crops lie inside the image")
     if cfg.train.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -442,15 +474,23 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
 # File and folder settings. A relative path in a config file is resolved against that file's folder (a config and
 # the files it names move together); one given on the command line (--set, --data.shards), against the working
 # directory. Both are stored absolute, so a run folder's config.yaml means the same from any working directory.
-PATH_KEYS = ("model.pretrained", "data.shards")
+PATH_KEYS = ("model.pretrained", "data.shards", "data.intake.class_list")
+
+
+def _absolute(value: str, base: Path) -> str:
+    if value.startswith(("pipe:", "http://", "https://")):  # not a path
+        return value
+    return os.path.abspath(base / Path(value).expanduser())
 
 
 def _absolute_paths(values: dict, base: Path) -> None:
     for key in PATH_KEYS:
-        section, name = key.split(".")
-        node = values.get(section)
+        section, name = key.rsplit(".", 1)
+        node = _lookup(values, section)
         if isinstance(node, dict) and isinstance(node.get(name), str) and node[name]:
-            node[name] = os.path.abspath(base / Path(node[name]).expanduser())
+            node[name] = _absolute(node[name], base)
+        elif isinstance(node, dict) and isinstance(node.get(name), list):  # data.shards: a list of shard specs
+            node[name] = [_absolute(v, base) if isinstance(v, str) and v else v for v in node[name]]
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), saved: bool = False) -> Config:

@@ -18,7 +18,13 @@ recheck of the rows near a tie; ``index_add_`` on the CPU and sorted segment sum
 sums) and ``faiss`` (flat L2 index for the searches, a GPU index when the FAISS build has GPUs and the data are on
 CUDA; the distance to the chosen centre is then recomputed in the compute dtype, as after a low-precision search).
 Half-precision features stay half precision: every pass converts one row chunk at a time. No Python loop over points
-or clusters: the only Python loops are over restarts, iterations, k-means++ seeds, capacity rounds and row chunks.
+or clusters: the only Python loops are over iterations, balancing passes, k-means++ seeds, capacity rounds and row
+chunks. The restarts run as one batch (one batched GEMM per distance pass, per-restart centre sums in one call, every
+restart's state on the device), each exactly as it would run alone. With the exact fp32 search (and, for balanced
+``balance="reference"``, the stored [R, N, K] distances of small problems) an iteration makes no host sync on CUDA, so
+a round syncs a fixed number of times however many iterations it runs. Capacity mode (balanced
+``balance="capacity"``), whose rounds differ per restart, runs the restarts one after another; the low-precision and
+FAISS searches, whose work depends on each restart's centres, search for them one after another.
 
 Under ``torch.distributed`` every rank passes its own shard (labelled and unlabelled) and gets the exact global
 clustering: per-cluster sums and counts are all-reduced, k-means++ samples over the global distribution, and the
@@ -146,9 +152,17 @@ def _recheck_threshold(precision: str, d: int, bf16_out: bool, x_norm: torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------------------- searches
-def _direct_sqdist(xc: torch.Tensor, C: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def _direct_sqdist(xc: torch.Tensor, centers: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """||x - C[idx]||² per row, in the compute dtype (the distance to a centre found by an inexact search)."""
-    return (xc - C[idx]).pow_(2).sum(1)
+    return (xc - centers[idx]).pow_(2).sum(1)
+
+
+def _batched_gemm_distances(xc: torch.Tensor, centers: torch.Tensor, c2: torch.Tensor) -> torch.Tensor:
+    """``||c||² - 2 x·c`` [R, rows, K] for the rows ``xc`` and the centres ``centers`` [R, K, D] (``c2`` [R, K]) of R
+    restarts, in one batched GEMM. On the CPU each restart's block equals bit for bit the lone restart's
+    ``addmm(c2, xc, C.t())``; on CUDA cuBLAS may pick another kernel for the batch, so a distance can differ in the
+    last bit (a label only where two centres tie to that bit)."""
+    return torch.baddbmm(c2[:, None], xc.expand(centers.shape[0], -1, -1), centers.transpose(1, 2), beta=1, alpha=-2)
 
 
 class _TorchOps:
@@ -168,32 +182,61 @@ class _TorchOps:
         self.searched = 0
         self.rechecked = 0
 
-    def nearest(self, x, x2, C, rows=None, allowed=None):
-        """(squared distance, index) of the nearest centre of ``C[allowed]`` (indices into all of C) for each row of
-        ``x[rows]`` (all rows if None); ``x2``: the squared norms of all rows of ``x``."""
-        n = x.shape[0] if rows is None else rows.shape[0]
-        d_out = torch.empty(n, dtype=C.dtype, device=C.device)
-        i_out = torch.empty(n, dtype=torch.long, device=C.device)
-        prep = self._prepare(C, allowed)
-        for s, e, xc in _chunks(x, self.chunk_rows, C.dtype, rows):
-            d_out[s:e], i_out[s:e] = self._search(xc, x2[s:e] if rows is None else x2[rows[s:e]], C, prep)
-        return d_out, i_out
+    def nearest(self, x, x2, centers, rows=None, allowed=None):
+        """(squared distance, index), each [R, n], of the nearest centre of ``centers[r][allowed[r]]`` (indices into all
+        of ``centers[r]``) for each row of ``x[rows]`` (all rows if None) and each restart ``r`` of ``centers``
+        [R, K, D] (``allowed`` [R, K] or None); ``x2``: the squared norms of all rows of ``x``.
 
-    def _prepare(self, C, allowed):
-        c2 = (C * C).sum(1)
+        The exact fp32 search takes all restarts in one batched GEMM (:func:`_batched_gemm_distances`); the
+        low-precision search (whose rechecks depend on each restart's gaps) and FAISS take the restarts one after
+        another."""
+        if self.name == "torch" and self.precision == "fp32":
+            return self._nearest_batched(x, x2, centers, rows, allowed)
+        found = [
+            self._nearest_one(x, x2, centers[r], rows, None if allowed is None else allowed[r])
+            for r in range(len(centers))
+        ]
+        return torch.stack([d for d, _ in found]), torch.stack([i for _, i in found])
+
+    def _nearest_batched(self, x, x2, centers, rows, allowed):
+        R = centers.shape[0]
+        c2 = (centers * centers).sum(2)
         if allowed is not None:
             c2 = c2.masked_fill(~allowed, float("inf"))
-        if self.precision == "fp32" or C.shape[0] < 2:
+        n = x.shape[0] if rows is None else rows.shape[0]
+        d_out = torch.empty(R, n, dtype=centers.dtype, device=centers.device)
+        i_out = torch.empty(R, n, dtype=torch.long, device=centers.device)
+        for s, e, xc in _chunks(x, max(1, self.chunk_rows // R), centers.dtype, rows):
+            dmin, i_out[:, s:e] = _batched_gemm_distances(xc, centers, c2).min(2)
+            x2c = x2[s:e] if rows is None else x2[rows[s:e]]
+            d_out[:, s:e] = (dmin + x2c).clamp_min_(0)
+        return d_out, i_out
+
+    def _nearest_one(self, x, x2, centers, rows, allowed):
+        """:meth:`nearest` of one restart's centres ``centers`` [K, D] -> [n] each."""
+        n = x.shape[0] if rows is None else rows.shape[0]
+        d_out = torch.empty(n, dtype=centers.dtype, device=centers.device)
+        i_out = torch.empty(n, dtype=torch.long, device=centers.device)
+        prep = self._prepare(centers, allowed)
+        for s, e, xc in _chunks(x, self.chunk_rows, centers.dtype, rows):
+            d_out[s:e], i_out[s:e] = self._search(xc, x2[s:e] if rows is None else x2[rows[s:e]], centers, prep)
+        return d_out, i_out
+
+    def _prepare(self, centers, allowed):
+        c2 = (centers * centers).sum(1)
+        if allowed is not None:
+            c2 = c2.masked_fill(~allowed, float("inf"))
+        if self.precision == "fp32" or centers.shape[0] < 2:
             return c2, None
-        c_norm = C.norm(dim=1)
+        c_norm = centers.norm(dim=1)
         c_max = (c_norm if allowed is None else c_norm.masked_fill(~allowed, 0)).max()
-        c_low = C.t() if self.precision == "tf32" else C.to(torch.bfloat16).t()
+        c_low = centers.t() if self.precision == "tf32" else centers.to(torch.bfloat16).t()
         return c2, (c_low, c_max)
 
-    def _search(self, xc, x2c, C, prep):
+    def _search(self, xc, x2c, centers, prep):
         c2, low = prep
         if low is None:
-            dmin, idx = torch.addmm(c2, xc, C.t(), beta=1, alpha=-2).min(1)
+            dmin, idx = torch.addmm(c2, xc, centers.t(), beta=1, alpha=-2).min(1)
             return (dmin + x2c).clamp_min_(0), idx
         c_low, c_max = low
         if self.precision == "tf32":
@@ -210,15 +253,16 @@ class _TorchOps:
         self.searched += xc.shape[0]
         self.rechecked += redo.numel()
         if redo.numel():
-            idx[redo] = torch.addmm(c2, xc[redo], C.t(), beta=1, alpha=-2).min(1).indices
-        return _direct_sqdist(xc, C, idx), idx
+            idx[redo] = torch.addmm(c2, xc[redo], centers.t(), beta=1, alpha=-2).min(1).indices
+        return _direct_sqdist(xc, centers, idx), idx
 
-    def distances(self, x, x2, C):
-        """Full [N, K] squared distances (chunked exact GEMM)."""
-        c2 = (C * C).sum(1)
-        out = torch.empty(x.shape[0], C.shape[0], dtype=C.dtype, device=C.device)
-        for s, e, xc in _chunks(x, self.chunk_rows, C.dtype):
-            out[s:e] = torch.addmm(c2, xc, C.t(), beta=1, alpha=-2).add_(x2[s:e, None]).clamp_min_(0)
+    def distances(self, x, x2, centers):
+        """Full [R, N, K] squared distances to the centres ``centers`` [R, K, D] of R restarts (chunked exact GEMM)."""
+        R, K, _ = centers.shape
+        c2 = (centers * centers).sum(2)
+        out = torch.empty(R, x.shape[0], K, dtype=centers.dtype, device=centers.device)
+        for s, e, xc in _chunks(x, max(1, self.chunk_rows // R), centers.dtype):
+            out[:, s:e] = _batched_gemm_distances(xc, centers, c2).add_(x2[s:e, None]).clamp_min_(0)
         return out
 
 
@@ -240,18 +284,18 @@ class _FaissOps(_TorchOps):
 
             self.res = faiss.StandardGpuResources()
 
-    def _prepare(self, C, allowed):
+    def _prepare(self, centers, allowed):
         ids = None if allowed is None else torch.nonzero(allowed).squeeze(1)
-        Cs = (C if ids is None else C[ids]).float().contiguous()
+        Cs = (centers if ids is None else centers[ids]).float().contiguous()
         if self.gpu:
-            index = self.faiss.GpuIndexFlatL2(self.res, C.shape[1])
+            index = self.faiss.GpuIndexFlatL2(self.res, centers.shape[1])
             index.add(Cs)
         else:
-            index = self.faiss.IndexFlatL2(C.shape[1])
+            index = self.faiss.IndexFlatL2(centers.shape[1])
             index.add(Cs.cpu().numpy())
         return index, ids
 
-    def _search(self, xc, x2c, C, prep):
+    def _search(self, xc, x2c, centers, prep):
         index, ids = prep
         q = xc.float().contiguous()
         if self.gpu:
@@ -260,7 +304,7 @@ class _FaissOps(_TorchOps):
             idx = torch.from_numpy(index.search(q.cpu().numpy(), 1)[1][:, 0]).to(xc.device).long()
         if ids is not None:
             idx = ids[idx]
-        return _direct_sqdist(xc, C, idx), idx
+        return _direct_sqdist(xc, centers, idx), idx
 
 
 # -------------------------------------------------------------------------------------------------------- validation
@@ -325,43 +369,67 @@ class _Problem:
         return self.l_sums.dtype
 
 
-def _labelled_inertia(p: _Problem, C: torch.Tensor) -> torch.Tensor:
-    """Σ ||l - C[lab]||² from per-cluster statistics, O(K·D): Σ||l||² - 2 Σ_k C_k·S_k + Σ_k n_k ||C_k||² (fp64)."""
-    C64 = C.to(torch.float64)
-    return p.l_sq - 2 * (C64 * p.l_sums64).sum() + (p.l_cnt.to(torch.float64) * (C64 * C64).sum(1)).sum()
+def _labelled_inertia(problem: _Problem, centers: torch.Tensor) -> torch.Tensor:
+    """Σ ||l - C[lab]||² per restart of ``centers`` [R, K, D] from per-cluster statistics, O(R·K·D):
+    Σ||l||² - 2 Σ_k C_k·S_k + Σ_k n_k ||C_k||² (fp64) -> [R]."""
+    centers64 = centers.to(torch.float64)
+    cross = (centers64 * problem.l_sums64).sum((1, 2))
+    return problem.l_sq - 2 * cross + (problem.l_cnt.to(torch.float64) * (centers64 * centers64).sum(2)).sum(1)
+
+
+def _restart_ids(lab: torch.Tensor, K: int) -> torch.Tensor:
+    """Labels [R, N] of R restarts as ids of one label space of R·K clusters: restart r's cluster k is r·K + k."""
+    return lab + K * torch.arange(lab.shape[0], device=lab.device)[:, None]
+
+
+def _counts(lab: torch.Tensor, K: int) -> torch.Tensor:
+    """Points per cluster of each restart: labels [R, N] -> [R, K]."""
+    return torch.bincount(_restart_ids(lab, K).reshape(-1), minlength=lab.shape[0] * K).view(lab.shape[0], K)
 
 
 def _cluster_sums(
     x: torch.Tensor, lab: torch.Tensor, K: int, chunk: int, dtype: torch.dtype, segments: bool | None = None
 ) -> torch.Tensor:
-    """Per-cluster sums of the rows of ``x`` in ``dtype``, deterministic: ``index_add_`` on the CPU; on CUDA
-    (``segments`` None) the rows are sorted by cluster and summed as contiguous segments (no atomics, and O(N·D)
-    instead of the O(N·K·D) of a one-hot GEMM)."""
-    out = torch.zeros(K, x.shape[1], dtype=dtype, device=x.device)
+    """Per-cluster sums [R, K, D] of the rows of ``x`` in ``dtype`` under the labels [R, N] of R restarts.
+
+    Deterministic, and each restart's sums are added in the order a lone restart adds them: ``index_add_`` on the CPU
+    (rows in order); on CUDA (``segments`` None) each restart's rows
+    are sorted by cluster and every row chunk is summed as contiguous segments, one segment per (restart, cluster), in
+    one call (no atomics, and O(R·N·D) instead of the O(R·N·K·D) of a one-hot GEMM), a block holding ``chunk // R``
+    rows of each restart."""
+    R, n = lab.shape
     if not (x.is_cuda if segments is None else segments):
+        out = torch.zeros(R, K, x.shape[1], dtype=dtype, device=x.device)
         for s, e, xc in _chunks(x, chunk, dtype):
-            out.index_add_(0, lab[s:e], xc)
+            for r in range(R):  # on the CPU one call per restart costs nothing and saves R copies of the chunk
+                out[r].index_add_(0, lab[r, s:e], xc)
         return out
-    order = torch.argsort(lab, stable=True)
-    cnt = torch.bincount(lab, minlength=K)
-    ends = torch.cumsum(cnt, 0)  # cluster k holds the sorted rows [ends[k] - cnt[k], ends[k])
-    starts = ends - cnt
-    for s, e, xc in _chunks(x, chunk, dtype, order):
+    out = torch.zeros(R * K, x.shape[1], dtype=dtype, device=x.device)
+    rows = max(1, chunk // R)
+    order = torch.argsort(lab, dim=1, stable=True)
+    ends = torch.cumsum(_counts(lab, K), 1)  # restart r's cluster k holds its sorted rows [ends - counts, ends)
+    starts = ends - _counts(lab, K)
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        xc = x[order[:, s:e].reshape(-1)].to(dtype)
         lengths = (ends.clamp(max=e) - starts.clamp(min=s)).clamp_min_(0)  # each cluster's rows in this chunk
-        out += torch.segment_reduce(xc, "sum", lengths=lengths, axis=0, unsafe=True)
-    return out
+        out += torch.segment_reduce(xc, "sum", lengths=lengths.reshape(-1), axis=0, unsafe=True)
+    return out.view(R, K, -1)
 
 
-def _update_centers(p: _Problem, C: torch.Tensor, u_lab: torch.Tensor, frozen: torch.Tensor | None) -> torch.Tensor:
-    sums = all_reduce_sum(_cluster_sums(p.u, u_lab, p.K, p.chunk, p.dtype))
-    cnt = all_reduce_sum(torch.bincount(u_lab, minlength=p.K))
-    sums += p.l_sums
-    cnt = cnt + p.l_cnt
+def _update_centers(
+    problem: _Problem, centers: torch.Tensor, u_lab: torch.Tensor, frozen: torch.Tensor | None
+) -> torch.Tensor:
+    """New centres [R, K, D] from the centres ``centers`` and unlabelled labels ``u_lab`` [R, N] of R restarts."""
+    sums = all_reduce_sum(_cluster_sums(problem.u, u_lab, problem.K, problem.chunk, problem.dtype))
+    cnt = all_reduce_sum(_counts(u_lab, problem.K))
+    sums += problem.l_sums
+    cnt = cnt + problem.l_cnt
     keep = cnt == 0  # empty cluster keeps its centre (the reference gives NaN here)
     if frozen is not None:
         keep = keep | frozen
-    new = sums / cnt.clamp_min(1).to(sums.dtype)[:, None]
-    return torch.where(keep[:, None], C, new)
+    new = sums / cnt.clamp_min(1).to(sums.dtype)[..., None]
+    return torch.where(keep[..., None], centers, new)
 
 
 def _global_rank_within_cluster(lab: torch.Tensor, dist: torch.Tensor, K: int):
@@ -380,7 +448,7 @@ def _global_rank_within_cluster(lab: torch.Tensor, dist: torch.Tensor, K: int):
 
 
 # --------------------------------------------------------------------------------------------------------- k-means++
-def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude: int | None) -> torch.Tensor:
+def _kmeans_pp(problem: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude: int | None) -> torch.Tensor:
     """k-means++ from the labelled means for R restarts at once (``uniforms`` [R, K - nL]) -> centres [R, K, D].
 
     The running min distance is updated against the newest centre only, and the R restarts share every pass over the
@@ -389,19 +457,19 @@ def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude
     ``exclude``: after each new seed, drop the ``exclude`` still-available unlabelled points nearest to it from later
     draws (InfoSieve's intended behaviour, whose published version deletes the wrong rows, REFERENCE.md §5.2).
     """
-    u, x2, K, nL = p.u, p.x2, p.K, p.nL
-    dev, world, n = p.device, get_world_size(), p.u.shape[0]
+    u, x2, K, n_labelled = problem.u, problem.x2, problem.K, problem.nL
+    dev, world, n = problem.device, get_world_size(), problem.u.shape[0]
     R = uniforms.shape[0]
-    C = torch.empty(R, K, u.shape[1], dtype=p.dtype, device=dev)
-    C[:, :nL] = means
-    ux = torch.empty(n, R, dtype=p.dtype, device=dev)  # u·c of the newest seeds, filled one row chunk at a time
-    if nL:
-        d2 = p.ops.nearest(u, x2, means)[0].to(torch.float64)[:, None].repeat(1, R)  # [N, R]
+    centers = torch.empty(R, K, u.shape[1], dtype=problem.dtype, device=dev)
+    centers[:, :n_labelled] = means
+    ux = torch.empty(n, R, dtype=problem.dtype, device=dev)  # u·c of the newest seeds, filled one row chunk at a time
+    if n_labelled:
+        d2 = problem.ops.nearest(u, x2, means[None])[0][0].to(torch.float64)[:, None].repeat(1, R)  # [N, R]
     else:
         d2 = torch.ones(n, R, dtype=torch.float64, device=dev)
     avail = torch.ones(n, R, dtype=torch.bool, device=dev) if exclude else None
-    n_glob = torch.tensor(float(p.n_u_global), dtype=torch.float64, device=dev)
-    for j in range(K - nL):
+    n_glob = torch.tensor(float(problem.n_u_global), dtype=torch.float64, device=dev)
+    for j in range(K - n_labelled):
         w = d2 if avail is None else d2 * avail
         tot = all_reduce_sum(w.sum(0))
         if avail is not None:  # everything excluded: fall back to plain k-means++ weights
@@ -414,7 +482,7 @@ def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude
         if world == 1:
             cum = torch.cumsum(w / tot, 0).t().contiguous()  # [R, N]
             ind = torch.searchsorted(cum, r[:, None]).clamp_(max=n - 1)[:, 0]
-            c = u[ind].to(p.dtype)  # [R, D]
+            c = u[ind].to(problem.dtype)  # [R, D]
         else:
             rank_w, rank = all_gather_cat(w.sum(0)[None])  # [world, R]; offset == rank
             before = rank_w[:rank].sum(0) / tot
@@ -422,18 +490,18 @@ def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude
             owner = torch.searchsorted(hi, r[:, None])[:, 0]
             last = torch.where(rank_w > 0, torch.arange(world, device=dev)[:, None], 0).max(0).values
             owner = torch.minimum(owner, last)
-            c = torch.zeros(R, u.shape[1], dtype=p.dtype, device=dev)
+            c = torch.zeros(R, u.shape[1], dtype=problem.dtype, device=dev)
             mine = owner == rank
             if n and bool(mine.any()):
                 cum = (torch.cumsum(w / tot, 0) + before).t().contiguous()
                 ind = torch.searchsorted(cum, r[:, None]).clamp_(max=n - 1)[:, 0]
-                c[mine] = u[ind[mine]].to(p.dtype)
+                c[mine] = u[ind[mine]].to(problem.dtype)
             c = all_reduce_sum(c)
-        C[:, nL + j] = c
-        for s, e, xc in _chunks(u, p.chunk, p.dtype):
+        centers[:, n_labelled + j] = c
+        for s, e, xc in _chunks(u, problem.chunk, problem.dtype):
             torch.mm(xc, c.t(), out=ux[s:e])
         dn = (x2[:, None] - 2 * ux + (c * c).sum(1)[None]).clamp_min_(0).to(torch.float64)  # [N, R]
-        d2 = dn if (nL == 0 and j == 0) else torch.minimum(d2, dn)
+        d2 = dn if (n_labelled == 0 and j == 0) else torch.minimum(d2, dn)
         if avail is not None:
             masked = dn.masked_fill(~avail, float("inf"))
             k_loc = min(exclude, n)
@@ -442,28 +510,30 @@ def _kmeans_pp(p: _Problem, means: torch.Tensor, uniforms: torch.Tensor, exclude
             g_vals = torch.sort(g_vals, dim=0).values
             thr = g_vals[min(exclude, g_vals.shape[0]) - 1]
             avail &= ~(dn <= thr[None])
-    return C
+    return centers
 
 
 # ------------------------------------------------------------------------------------------------- assignment steps
-def _assign_plain(p: _Problem, C: torch.Tensor):
-    d, lab = p.ops.nearest(p.u, p.x2, C)
-    return lab, d.sum(dtype=torch.float64)
+# Each step takes the centres [R, K, D] of R restarts and returns their unlabelled labels [R, N] and inertia [R] (fp64).
+def _assign_plain(problem: _Problem, centers: torch.Tensor):
+    d, lab = problem.ops.nearest(problem.u, problem.x2, centers)
+    return lab, d.sum(1, dtype=torch.float64)
 
 
-def _assign_capacity(p: _Problem, C: torch.Tensor, cap: torch.Tensor):
-    """Capacity-constrained assignment in rounds: every pending point proposes to its nearest cluster that still has
-    room; each cluster accepts its closest proposals (globally) up to its remaining capacity; rejected points try again
-    without the clusters that filled up. At least one more cluster fills per round, so at most K rounds."""
-    K, dev = p.K, p.device
-    n = p.u.shape[0]
+def _assign_capacity(problem: _Problem, centers: torch.Tensor, cap: torch.Tensor):
+    """Capacity-constrained assignment in rounds (one restart, ``centers`` [1, K, D]): every pending point proposes to
+    its nearest cluster that still has room; each cluster accepts its closest proposals (globally) up to its remaining
+    capacity; rejected points try again without the clusters that filled up. At least one more cluster fills per
+    round, so at most K rounds."""
+    K, dev = problem.K, problem.device
+    n = problem.u.shape[0]
     lab = torch.empty(n, dtype=torch.long, device=dev)
-    dist = torch.empty(n, dtype=p.dtype, device=dev)
+    dist = torch.empty(n, dtype=problem.dtype, device=dev)
     rem = cap.clone()
     pend = torch.arange(n, device=dev)
-    full_d = p.ops.distances(p.u, p.x2, C) if n * K <= _CAPACITY_MATRIX_MAX else None
+    full_d = problem.ops.distances(problem.u, problem.x2, centers)[0] if n * K <= _CAPACITY_MATRIX_MAX else None
     if full_d is None:
-        prop_d, prop_k = p.ops.nearest(p.u, p.x2, C)
+        prop_d, prop_k = (a[0] for a in problem.ops.nearest(problem.u, problem.x2, centers))
     else:
         prop_d, prop_k = full_d.min(1)
     for _ in range(K + 1):
@@ -477,66 +547,129 @@ def _assign_capacity(p: _Problem, C: torch.Tensor, cap: torch.Tensor):
         if bool(g_acc.all()):
             break
         if full_d is None:
-            prop_d, prop_k = p.ops.nearest(p.u, p.x2, C, rows=pend, allowed=rem > 0)
+            nearest = problem.ops.nearest(problem.u, problem.x2, centers, rows=pend, allowed=(rem > 0)[None])
+            prop_d, prop_k = (a[0] for a in nearest)
         else:  # the distances do not change within an assignment: mask the full clusters and take the argmin again
             prop_d, prop_k = full_d[pend].masked_fill_((rem <= 0)[None], float("inf")).min(1)
-    return lab, dist.sum(dtype=torch.float64)
+    return lab[None], dist.sum(dtype=torch.float64)[None]
 
 
-def _assign_reference_phase_a(p: _Problem, C: torch.Tensor, cap: torch.Tensor | None, n_pass: int):
-    """InfoSieve's Phase A assignment: argmin, then ``n_pass`` balancing passes (REFERENCE.md §5.2), vectorised.
+def _assign_reference_phase_a(problem: _Problem, centers: torch.Tensor, cap: torch.Tensor | None, n_pass: int):
+    """InfoSieve's Phase A assignment: argmin, then ``n_pass`` balancing passes (REFERENCE.md §5.2), vectorised over
+    points, clusters and restarts.
 
-    The returned inertia is that of the unbalanced argmin, as in the reference.
+    With the stored [R, N, K] distances (small problems) the freed points of every restart take their nearest cluster
+    with room (a restart without room keeps its labels): on CUDA without a host sync, by taking the masked argmin of
+    every point and keeping it where freed; on the CPU only the freed points are searched. Without the stored
+    distances (large problems) each restart searches again only its freed rows. The returned inertia is that of the
+    unbalanced argmin, as in the reference.
     """
-    n = p.u.shape[0]
-    full_d = p.ops.distances(p.u, p.x2, C) if (cap is not None and n_pass and n * p.K <= _CAPACITY_MATRIX_MAX) else None
-    d, lab = p.ops.nearest(p.u, p.x2, C) if full_d is None else full_d.min(1)
-    inertia = d.sum(dtype=torch.float64)
+    R, n, K = centers.shape[0], problem.u.shape[0], problem.K
+    stored = cap is not None and n_pass and R * n * K <= _CAPACITY_MATRIX_MAX
+    full_d = problem.ops.distances(problem.u, problem.x2, centers) if stored else None
+    d, lab = problem.ops.nearest(problem.u, problem.x2, centers) if full_d is None else full_d.min(2)
+    inertia = d.sum(1, dtype=torch.float64)
     if cap is None:
         return lab, inertia
     for _ in range(n_pass):
-        cnt = all_reduce_sum(torch.bincount(lab, minlength=p.K))
+        cnt = all_reduce_sum(_counts(lab, K))
         room = (cnt == 1) | (cnt < cap)  # the reference's 0-d squeeze makes a singleton cluster always "have room"
         over = (cnt > cap) & ~room
         keep = torch.where(cap >= 0, cap, (cnt + cap).clamp_min(0))  # [cap:] with cap < 0 frees only |cap| points
-        g_lab, rank, off = _global_rank_within_cluster(lab, d, p.K)
-        free = (over[g_lab] & (rank >= keep[g_lab]))[off : off + lab.shape[0]]
-        if not bool(room.any()):
+        g_lab, rank, off = _global_rank_within_cluster(_restart_ids(lab, K).reshape(-1), d.reshape(-1), R * K)
+        free = (over.reshape(-1)[g_lab] & (rank >= keep.reshape(-1)[g_lab]))[off : off + R * n].view(R, n)
+        free &= room.any(1, keepdim=True)  # a restart whose clusters are all full moves nothing
+        if full_d is not None and _host_syncs_are_free(problem.device):
+            pairs = torch.nonzero(free.view(-1)).squeeze(1)  # (restart, point) as restart * n + point
+            dn, kn = full_d.view(R * n, K)[pairs].masked_fill_(~room[pairs // n], float("inf")).min(1)
+            lab.view(-1)[pairs], d.view(-1)[pairs] = kn, dn
             continue
-        rows = torch.nonzero(free).squeeze(1)
         if full_d is not None:
-            dn, kn = full_d[rows].masked_fill_(~room[None], float("inf")).min(1)
-            lab[rows] = kn
-            d[rows] = dn
-        elif rows.numel() or get_world_size() > 1:
-            dn, kn = p.ops.nearest(p.u, p.x2, C, rows=rows, allowed=room)
-            lab[rows] = kn
-            d[rows] = dn
+            dn, kn = full_d.masked_fill(~room[:, None], float("inf")).min(2)
+            lab, d = torch.where(free, kn, lab), torch.where(free, dn, d)
+            continue
+        for r in range(R):
+            rows = torch.nonzero(free[r]).squeeze(1)
+            if rows.numel() or get_world_size() > 1:
+                dn, kn = problem.ops.nearest(
+                    problem.u, problem.x2, centers[r : r + 1], rows=rows, allowed=room[r : r + 1]
+                )
+                lab[r, rows] = kn[0]
+                d[r, rows] = dn[0]
     return lab, inertia
 
 
-# ------------------------------------------------------------------------------------------------------------ a run
-class _Run:
-    def __init__(self):
-        self.best = None  # (inertia, u_lab, centers)
-        self.history: list[float] = []
-        self.n_iter = 0
+# ------------------------------------------------------------------------------------------------------- restarts
+def _host_syncs_are_free(device: torch.device) -> bool:
+    """Whether reading a value back to the host is free (the CPU): then the iterations stop once every restart has
+    converged and the balancing passes search only the freed points. On CUDA the restarts run all ``max_iter``
+    iterations (the converged ones unchanged) and the passes search every point, without a host sync."""
+    return device.type != "cuda"
 
-    def iterate(self, p: _Problem, C, max_iter, tol, assign, frozen):
+
+class _Runs:
+    """R restarts iterated in lockstep, every restart's state on the device.
+
+    A restart stops (keeps its centres and records nothing more) after the iteration whose centre shift is below
+    ``tol``; the others go on. Per restart: the inertia history, the iteration count and the best iteration (strict
+    ``<``: the first of equal inertias), its labels and the centres updated from them. Nothing is read back to the
+    host until :meth:`best_restart`.
+    """
+
+    def __init__(self, problem: _Problem, R: int, steps: int):
+        dev = problem.device
+        self.history = torch.zeros(R, steps, dtype=torch.float64, device=dev)
+        self.recorded = torch.zeros(R, steps, dtype=torch.bool, device=dev)
+        self.step = 0
+        self.best_inertia = torch.full((R,), float("inf"), dtype=torch.float64, device=dev)
+        self.best_lab = torch.zeros(R, problem.u.shape[0], dtype=torch.long, device=dev)
+        self.best_centers = torch.zeros(R, problem.K, problem.u.shape[1], dtype=problem.dtype, device=dev)
+
+    def iterate(self, problem: _Problem, centers, max_iter, tol, assign, frozen):
+        active = torch.ones(centers.shape[0], dtype=torch.bool, device=problem.device)
+        poll = _host_syncs_are_free(problem.device)
         for it in range(max_iter):
-            u_lab, inertia_u = assign(C, it)
-            inertia_t = all_reduce_sum(inertia_u.reshape(1))[0] + _labelled_inertia(p, C)
-            new = _update_centers(p, C, u_lab, frozen)
-            inertia = float(inertia_t)
-            self.history.append(inertia)
-            self.n_iter += 1
-            if self.best is None or inertia < self.best[0]:
-                self.best = (inertia, u_lab, new)
-            shift = float((new - C).norm(dim=1).sum()) ** 2
-            C = new
-            if shift < tol:
+            u_lab, inertia_u = assign(centers, it)
+            inertia = all_reduce_sum(inertia_u) + _labelled_inertia(problem, centers)
+            new = _update_centers(problem, centers, u_lab, frozen)
+            self.history[:, self.step] = inertia
+            self.recorded[:, self.step] = active
+            self.step += 1
+            better = active & (inertia < self.best_inertia)
+            self.best_inertia = torch.where(better, inertia, self.best_inertia)
+            self.best_lab = torch.where(better[:, None], u_lab, self.best_lab)
+            self.best_centers = torch.where(better[:, None, None], new, self.best_centers)
+            shift = (new - centers).norm(dim=2).sum(1).to(torch.float64) ** 2
+            centers = torch.where(active[:, None, None], new, centers)
+            active = active & ~(shift < tol)
+            if poll and not bool(active.any()):
                 break
-        return C
+        return centers
+
+    def best_restart(self):
+        """(inertia, history, n_iter, index in the batch, labels, centres) of the best restart (the first of equal
+        inertias)."""
+        r = int(torch.argmin(self.best_inertia))
+        history = self.history[r][self.recorded[r]].tolist()
+        return float(self.best_inertia[r]), history, len(history), r, self.best_lab[r], self.best_centers[r]
+
+
+def _run_restarts(problem, seeds, max_iter, tol, balance, cap, frozen):
+    """Run the restarts whose seeds are ``seeds`` [R, K, D] together -> :meth:`_Runs.best_restart` of the batch.
+    ``cap``: room left per cluster for unlabelled points (None: unbalanced)."""
+    centers, runs = seeds.clone(), _Runs(problem, seeds.shape[0], 2 * max_iter)
+    if balance == "reference":  # Phase A (capacity passes only when balanced), then Phase B
+        frozen_a = torch.zeros(problem.K, dtype=torch.bool, device=problem.device)
+        frozen_a[: problem.nL] = True
+        phase_a = lambda c, it: _assign_reference_phase_a(problem, c, cap, it)
+        centers = runs.iterate(problem, centers, max_iter, tol, phase_a, frozen_a)
+        runs.iterate(problem, centers, max_iter, tol, lambda c, it: _assign_plain(problem, c), frozen)
+    elif cap is None:
+        runs.iterate(problem, centers, max_iter, tol, lambda c, it: _assign_plain(problem, c), frozen)
+    else:
+        cap_free = cap.clamp_min(0)
+        runs.iterate(problem, centers, max_iter, tol, lambda c, it: _assign_capacity(problem, c, cap_free), frozen)
+    return runs.best_restart()
 
 
 # ------------------------------------------------------------------------------------------------------- entry point
@@ -660,7 +793,7 @@ def semi_supervised_kmeans(
     free_ids = torch.nonzero(present == 0).squeeze(1)
     slot = torch.cat([cls, free_ids])  # internal id -> returned cluster id
 
-    l_sums = all_reduce_sum(_cluster_sums(l, lab_l, K, chunk, cdtype))
+    l_sums = all_reduce_sum(_cluster_sums(l, lab_l[None], K, chunk, cdtype)[0])
     l_cnt = all_reduce_sum(torch.bincount(lab_l, minlength=K))
     means = l_sums[:nL] / l_cnt[:nL, None].to(cdtype)
     ops = _FaissOps(chunk, u.is_cuda) if backend == "faiss" else _TorchOps(chunk, distance_precision)
@@ -683,29 +816,20 @@ def semi_supervised_kmeans(
     seeds_all = []
     for r0 in range(0, n_init, kpp_batch):  # restarts share k-means++ passes over the data, kpp_batch at a time
         r1 = min(r0 + kpp_batch, n_init)
-        seeds_all.extend(_kmeans_pp(p, means, uniforms[r0:r1], exclude).unbind(0))
+        seeds_all.append(_kmeans_pp(p, means, uniforms[r0:r1], exclude))
+    seeds = torch.cat(seeds_all)
     cap = None if cs is None else cs - l_cnt  # room left for unlabelled points (negative: labelled overflow)
-    cap_free = None if cap is None else cap.clamp_min(0)
-    frozen_a = torch.zeros(K, dtype=torch.bool, device=dev)  # Phase A of balance="reference"
-    frozen_a[:nL] = True
-    best, best_init = None, 0
-    for r in range(n_init):
-        C = seeds_all[r].clone()
-        run = _Run()
-        if balance == "reference":  # Phase A (capacity passes only when balanced), then Phase B
-            C = run.iterate(p, C, max_iter, tol, lambda C, it: _assign_reference_phase_a(p, C, cap, it), frozen_a)
-            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
-        elif cap is None:
-            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_plain(p, C), frozen)
-        else:
-            run.iterate(p, C, max_iter, tol, lambda C, it: _assign_capacity(p, C, cap_free), frozen)
-        if best is None or run.best[0] < best.best[0]:
-            best, best_init = run, r
-
-    inertia, u_lab, C = best.best
+    # all restarts in one batch; capacity rounds differ in length per restart, so that mode runs them one at a time
+    batch = 1 if (cap is not None and balance == "capacity") else n_init
+    best = None
+    for r0 in range(0, n_init, batch):
+        found = _run_restarts(p, seeds[r0 : r0 + batch], max_iter, tol, balance, cap, frozen)
+        if best is None or found[0] < best[0]:
+            best = found[:3] + (r0 + found[3],) + found[4:]
+    inertia, history, n_iter, best_init, u_lab, C = best
     labels = torch.cat([slot[lab_l], slot[u_lab]])
     centers = torch.empty_like(C)
     centers[slot] = C
     counts = all_reduce_sum(torch.tensor([ops.searched, ops.rechecked], dtype=torch.long, device=dev))
-    return KMeansResult(labels, centers, inertia, best.n_iter, list(best.history), ops.name, best_init,
+    return KMeansResult(labels, centers, inertia, n_iter, history, ops.name, best_init,
                         int(counts[0]), int(counts[1]))  # fmt: skip

@@ -8,7 +8,10 @@ classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k i
 `PATH` can be one of:
 - an image folder, searched recursively;
 - a text file listing image paths, one per line, relative to the file's folder;
-- a `make-shards` folder, whose samples are named `shard.tar/key`.
+- shards, whose samples are named `shard.tar/key`: a `make-shards` folder, a folder of WebDataset tars, a .tar, a brace
+  pattern or a glob. One walk over the tar headers finds every image (the first of the run's
+  `data.intake.image_keys` present); each is then read by offset, so the time per image does not grow with the
+  shard's size.
 
 Output: JSON lines or CSV, chosen by the extension of `FILE`. Each image gets its path, cluster, name, margin,
 code, prefix and tree_path:
@@ -23,10 +26,13 @@ Images that cannot be read are reported and skipped.
 from __future__ import annotations
 
 import csv
+import glob
 import json
 import sys
+import tarfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +43,10 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from .config import from_saved
 from .data.augment import AugmentConfig, DeviceAugment
-from .data.decode import decode_cpu, pad_into
-from .data.tar import tar_samples
+from .data.decode import pad_into
+from .data.intake import SHARD_SUFFIXES, is_manifest_folder, parse_image_keys, shard_paths
+from .data.stream import decode_image
+from .data.tar import IMAGE_KEYS, image_members, read_span
 from .engine import resolve_device
 from .model import InfoSieve
 from .tree import code_strings
@@ -59,19 +67,60 @@ def model_from_run(run_dir: str | Path, device: torch.device) -> tuple[InfoSieve
     return model.to(device).eval(), state
 
 
-def image_items(path: str | Path) -> list[tuple[str, object]]:
-    """(name, source) of every image under `path`: a folder, a list file or a shards folder (see the module doc)."""
+@dataclass(frozen=True)
+class ShardImage:
+    """An image stored in a shard, read by offset (one seek and one read, whatever the shard's size)."""
+
+    tar: str
+    offset: int
+    length: int
+
+
+def _is_shards(path: Path) -> bool:
+    """`--images` names tar shards: a make-shards folder, a folder holding only shards, a .tar, a pattern."""
+    text = str(path)
+    if is_manifest_folder(path) or text.endswith(SHARD_SUFFIXES) or "{" in text or glob.has_magic(text):
+        return True
+    if not path.is_dir():
+        return False
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return any(p.name.endswith(SHARD_SUFFIXES) for p in files) and not any(_is_image(p) for p in files)
+
+
+def _is_image(p: Path) -> bool:
+    return p.suffix.lower() in IMAGE_SUFFIXES
+
+
+def shard_items(spec, image_keys: tuple[str, ...]) -> list[tuple[str, object]]:
+    """(shard name/key, `ShardImage`) of every sample of the shards `spec` names, from one walk over their headers;
+    samples without an image and unreadable shards are reported (counted) and skipped."""
+    items: list[tuple[str, object]] = []
+    for tar in shard_paths(spec):
+        try:
+            found, without = image_members(tar, image_keys)
+        except (OSError, tarfile.ReadError) as exn:
+            print(f"infosieve predict: WARNING: skipped {tar}: {exn}", file=sys.stderr)
+            continue
+        if without:
+            keys = ", ".join(image_keys)
+            print(f"infosieve predict: WARNING: {without} sample(s) of {tar} have no image under any of the keys "
+                  f"{keys}: skipped (set data.intake.image_keys in the run's config)", file=sys.stderr)  # fmt: skip
+        items += [(f"{Path(tar).name}/{key}", ShardImage(tar, a, n)) for key, a, n in found]
+    return items
+
+
+def image_items(path: str | Path, image_keys: tuple[str, ...] = IMAGE_KEYS) -> list[tuple[str, object]]:
+    """(name, source) of every image under `path`: a folder, a list file or shards (see the module doc)."""
     path = Path(path)
-    if (path / "manifest.json").is_file():
-        return [(f"{tar.name}/{s['__key__']}", (str(tar), s["__key__"])) for tar in sorted(path.glob("*.tar"))
-                for s in tar_samples(str(tar))]  # fmt: skip
+    if _is_shards(path):
+        return shard_items(path, image_keys)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        files = sorted(p for p in path.rglob("*") if _is_image(p) and p.is_file())
         return [(str(p), p) for p in files]
     if path.is_file():
         lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
         return [(line, path.parent / line) for line in lines]
-    raise FileNotFoundError(f"--images {path} is neither an image folder, a list file nor a shards folder")
+    raise FileNotFoundError(f"--images {path} is neither an image folder, a list file nor shards")
 
 
 def _load(source: object, shorter: int, channels: int) -> Tensor:
@@ -80,11 +129,8 @@ def _load(source: object, shorter: int, channels: int) -> Tensor:
 
     from .data.shards import resize_image
 
-    if isinstance(source, tuple):  # a shard sample: (tar path, key)
-        tar, key = source
-        sample = next(s for s in tar_samples(tar) if s["__key__"] == key)
-        data = sample.get("jpg", sample.get("png"))
-        img = decode_cpu(data)
+    if isinstance(source, ShardImage):
+        img = decode_image(read_span(source.tar, source.offset, source.length))
         im = Image.fromarray(img.permute(1, 2, 0).numpy())
     else:
         with Image.open(source) as im:
@@ -134,7 +180,7 @@ def predict(run_dir: str | Path, images: str | Path, out: str | Path, batch_size
     augment = DeviceAugment(AugmentConfig(d.crop_size, False, tuple(d.mean), tuple(d.std)))
     shorter = int(d.crop_size / 0.875)  # the reference: Resize(int(224 / 0.875)) = 256, then CenterCrop(224)
     channels = int(cfg.model.backbone_kwargs.get("in_chans", 3))
-    items = image_items(images)
+    items = image_items(images, parse_image_keys(d.intake.image_keys))
     amp = dev.type == "cuda"
     records, counts = [], np.zeros(len(centers), np.int64)
     bar = tqdm(total=len(items), desc="predict", unit="img", disable=not progress)

@@ -202,7 +202,17 @@ def reopen_run(cfg: Config, run_dir: Path, start: int, overrides: list[str], cha
 def train_epochs(
     trainer: Trainer, run_dir: Path, start: int, before: dict, stop_after: Callable[[int], bool] | None
 ) -> bool:
-    """The epochs from `start` on, each logged and checkpointed; False when `stop_after` ended the run early."""
+    """The epochs from `start` on, each logged and checkpointed; False when `stop_after` ended the run early. However
+    they end, the last checkpoint is durable when this returns (or raises)."""
+    try:
+        return _train_epochs(trainer, run_dir, start, before, stop_after)
+    finally:
+        ckpt.wait_for_checkpoint()
+
+
+def _train_epochs(
+    trainer: Trainer, run_dir: Path, start: int, before: dict, stop_after: Callable[[int], bool] | None
+) -> bool:
     cfg = trainer.cfg
     main = dist.is_main_process()
     board = tensorboard_writer(run_dir, start) if cfg.train.tensorboard and main else None
@@ -219,7 +229,7 @@ def train_epochs(
                 f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
                 f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
             )
-        dist.barrier()  # the checkpoint is on disk before any rank moves on (or stops)
+        dist.barrier()  # the checkpoint is written (or being written, in the background) before any rank moves on
         if stop_after is not None and stop_after(epoch):
             return False
     return True
@@ -227,10 +237,13 @@ def train_epochs(
 
 def write_epoch(run_dir: Path, trainer: Trainer, record: dict, before: dict) -> None:
     """An epoch's unreadable list, log line and checkpoint. The log line first: a kill between the two leaves a line
-    the checkpoint lacks, dropped on resume (the other order would lose the epoch's line)."""
+    the checkpoint lacks, dropped on resume (the other order would lose the epoch's line). With
+    `train.background_checkpoint` the checkpoint (a host snapshot taken here) is written while the next epoch runs: a
+    kill before it is durable is the same case, the run resumes from the previous checkpoint and drops this line."""
     write_unreadable(run_dir, trainer)
     ckpt.append_log(run_dir / LOG, record)
-    ckpt.save_checkpoint(run_dir, trainer.state_dict(record["epoch"] + 1, before))
+    save = ckpt.save_checkpoint_in_background if trainer.cfg.train.background_checkpoint else ckpt.save_checkpoint
+    save(run_dir, trainer.state_dict(record["epoch"] + 1, before))
 
 
 def write_unreadable(run_dir: Path, trainer: Trainer) -> None:

@@ -195,8 +195,8 @@ def test_capacity_assignment_hand_made():
     C = torch.tensor([[0.0], [10.0]], dtype=torch.float64)
     p = _Problem(u, (u * u).sum(1), u[:0], torch.zeros(0, dtype=torch.long), 2, 0, C * 0, torch.zeros(2).long(), 4,
                  _TorchOps(2), 2)  # fmt: skip
-    lab, inertia = _assign_capacity(p, C, torch.tensor([2, 2]))
-    assert lab.tolist() == [0, 0, 1, 1]
+    lab, inertia = _assign_capacity(p, C[None], torch.tensor([2, 2]))
+    assert lab.tolist() == [[0, 0, 1, 1]]
     assert float(inertia) == pytest.approx(0 + 1 + 64 + 0)
 
 
@@ -207,7 +207,7 @@ def test_capacity_assignment_close_to_optimal():
     cap = torch.tensor([25, 8, 18, 15, 12])
     p = _Problem(u, (u * u).sum(1), u[:0], torch.zeros(0, dtype=torch.long), 5, 0, C * 0, torch.zeros(5).long(), 60,
                  _TorchOps(16), 16)  # fmt: skip
-    lab, inertia = _assign_capacity(p, C, cap)
+    lab, inertia = (a[0] for a in _assign_capacity(p, C[None], cap))
     assert (torch.bincount(lab, minlength=5) <= cap).all()
     d = torch.cdist(u, C) ** 2
     assert float(inertia) == pytest.approx(float(d[torch.arange(60), lab].sum()))
@@ -348,17 +348,17 @@ def near_tie_rows(n_tie=300, n_clear=100, d=64, seed=0):
 def test_low_precision_search_equals_fp32_on_near_ties(precision):
     x, C, truth = near_tie_rows()
     x2 = (x * x).sum(1)
-    d32, i32 = _TorchOps(128).nearest(x, x2, C)
+    d32, i32 = (a[0] for a in _TorchOps(128).nearest(x, x2, C[None]))
     assert torch.equal(i32, truth)  # the constructed gaps are resolved in fp32
     ops = _TorchOps(128, precision)
-    d_low, i_low = ops.nearest(x, x2, C)
+    d_low, i_low = (a[0] for a in ops.nearest(x, x2, C[None]))
     assert torch.equal(i_low, i32)
     torch.testing.assert_close(d_low, d32, rtol=1e-5, atol=1e-4)
     assert ops.searched == len(x) and ops.rechecked > 0
     # near-tie rows are re-searched exactly, clear rows are not
     ties, clear = _TorchOps(128, precision), _TorchOps(128, precision)
-    ties.nearest(x[:300], x2[:300], C)
-    clear.nearest(x[300:], x2[300:], C)
+    ties.nearest(x[:300], x2[:300], C[None])
+    clear.nearest(x[300:], x2[300:], C[None])
     assert ties.rechecked + clear.rechecked == ops.rechecked and clear.rechecked == 0
     if precision == "bf16":  # without the recheck bf16 would get near ties wrong: the recheck is what makes it exact
         wrong = int((((C * C).sum(1) - 2 * (x.bfloat16() @ C.bfloat16().t()).float()).argmin(1) != truth).sum())
@@ -366,8 +366,8 @@ def test_low_precision_search_equals_fp32_on_near_ties(precision):
     # restricted search (balancing / capacity rounds): centre 0 not allowed
     allowed = torch.tensor([False, True, True, True, True, True])
     rows = torch.arange(0, len(x), 3)
-    _, i32r = _TorchOps(50).nearest(x, x2, C, rows=rows, allowed=allowed)
-    _, ilr = _TorchOps(50, precision).nearest(x, x2, C, rows=rows, allowed=allowed)
+    _, i32r = _TorchOps(50).nearest(x, x2, C[None], rows=rows, allowed=allowed[None])
+    _, ilr = _TorchOps(50, precision).nearest(x, x2, C[None], rows=rows, allowed=allowed[None])
     assert torch.equal(ilr, i32r) and not bool((i32r == 0).any())
 
 
@@ -498,19 +498,23 @@ def test_balancing_without_the_stored_matrix(monkeypatch, balance):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 def test_cluster_sums_segment_path_equals_index_add(dtype):
     # the CUDA path (rows sorted by cluster, segment sums across row chunks; deterministic) against index_add_ and a
-    # per-cluster loop, run on the CPU; half-precision rows are summed in the compute dtype
+    # per-cluster loop, run on the CPU, for 3 restarts at once; half-precision rows are summed in the compute dtype
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1000, 7, generator=g, dtype=torch.float64).to(dtype)
-    lab = torch.randint(0, 9, (1000,), generator=g)
+    lab = torch.randint(0, 9, (3, 1000), generator=g)
     lab[lab == 4] = 3  # an empty cluster
     cdtype = torch.float64 if dtype == torch.float64 else torch.float32
     a = _cluster_sums(x, lab, 9, 128, cdtype, segments=False)
     b = _cluster_sums(x, lab, 9, 128, cdtype, segments=True)
-    loop = torch.stack([x[lab == k].to(torch.float64).sum(0) for k in range(9)]).to(cdtype)
-    assert a.dtype == b.dtype == cdtype
-    torch.testing.assert_close(a, loop)
-    torch.testing.assert_close(b, loop)
-    assert torch.equal(a[4], torch.zeros(7, dtype=cdtype)) and torch.equal(b[4], a[4])
+    loop = torch.stack([torch.stack([x[lr == k].to(torch.float64).sum(0) for k in range(9)]) for lr in lab])
+    assert a.dtype == b.dtype == cdtype and a.shape == (3, 9, 7)
+    torch.testing.assert_close(a, loop.to(cdtype))
+    torch.testing.assert_close(b, loop.to(cdtype))
+    assert torch.equal(a[:, 4], torch.zeros(3, 7, dtype=cdtype)) and torch.equal(b[:, 4], a[:, 4])
+    # each restart's sums are bit for bit those of the restart alone (segments: same rows per chunk, 128 // 3 = 42)
+    for r in range(3):
+        assert torch.equal(a[r], _cluster_sums(x, lab[r : r + 1], 9, 128, cdtype, segments=False)[0])
+        assert torch.equal(b[r], _cluster_sums(x, lab[r : r + 1], 9, 42, cdtype, segments=True)[0])
 
 
 def test_cluster_size_and_frozen_centres_reach_the_training_rounds_from_the_config():

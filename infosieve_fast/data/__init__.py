@@ -21,7 +21,10 @@ def build_source(data: DataConfig, train: TrainConfig, device: torch.device | No
             source = source.subset(train.train_subset)
         return source
     if not data.shards:
-        raise ValueError("data.source=shards needs data.shards: the folder written by `infosieve make-shards`")
+        raise ValueError(
+            "data.source=shards needs data.shards: a folder written by `infosieve make-shards`, or WebDataset shards "
+            "(a folder, a brace pattern, a glob or a list)"
+        )
     if train.train_subset is not None:
         raise ValueError("train.train_subset applies to in-memory sources only; make smaller shards instead")
     from .stream import ShardSource
@@ -39,4 +42,6 @@ def build_source(data: DataConfig, train: TrainConfig, device: torch.device | No
         gpu_cache_share=data.gpu_cache_share,
         decode=data.decode,
         max_aspect=data.max_aspect,
+        resize=data.resize,
+        intake=data.intake,
     )

@@ -1,7 +1,9 @@
-"""Shards -> uint8 batches for the trainer: a `GCDSource` over the output of `make-shards`.
+"""Shards -> uint8 batches for the trainer: a `GCDSource` over the output of `make-shards`, or over WebDataset shards
+written by other tools (`data.intake`: brace patterns, globs, lists, configurable keys, make-shards' split).
 
 When the source opens, one pass over the tar headers indexes every sample (shard, byte offset, stored size, target,
-uq, labelled flag; `tar.index_shards`), so any sample can be read by offset and an epoch can be any global order:
+uq, labelled flag; `tar.index_rows`; saved beside the shards, reused while they are unchanged: `intake.cached_index`),
+so any sample can be read by offset and an epoch can be any global order:
 - training draws exactly N samples per epoch with the reference's `WeightedRandomSampler` weights (or a permutation,
   `sampling="shuffle"`) from one generator seeded by (seed, epoch), the same on every rank: a fresh shuffle across all
   shards every epoch. Global batch b of `batch_size x world_size` draws is split over the ranks (rank r takes rows
@@ -9,7 +11,8 @@ uq, labelled flag; `tar.index_shards`), so any sample can be read by offset and 
 - the feature and test passes give every sample exactly once across ranks: rank r reads the r-th contiguous share of
   the samples in storage order (sequential reads).
 
-Images keep their stored size (shorter side = the shards' `resize`, aspect kept), as the reference's `Resize(256)`:
+Images are served with the shorter side `resize` (default: the manifest's; an image stored at another size is resized
+when decoded, on the CPU or on the GPU), aspect kept, as the reference's `Resize(256)`:
 the training crops range over the whole image, and the test view is the centre crop of the whole image. Batches of
 images of different sizes are padded into one canvas with `Batch.sizes` (`decode.pad_into`); `max_aspect` can cap the
 longer side.
@@ -48,16 +51,60 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from .. import distributed as dist
-from ..config import DataConfig
+from ..config import DataConfig, IntakeConfig
 from .base import Batch
 from .cache import DecodedCache, cache_device
 from .decode import DecodeCounts, cap_aspect, capped_hw, decode_cpu, decode_gpu, pad_into
+from .intake import is_manifest_folder, make_shards_index_cached, open_foreign
 from .sampler import sample_epoch
-from .tar import ShardIndex, index_shards, open_mmap
+from .shards import resized_size
+from .tar import ShardIndex, open_mmap
 
 CACHE_MODES = ("auto", "gpu", "cpu", "off")
 DECODE_MODES = ("auto", "cpu", "gpu")
 SAMPLING_MODES = ("weighted", "shuffle")
+FOREIGN = "webdataset"  # the dataset name of foreign shards
+FOREIGN_SIZE = 256  # the shorter side foreign shards' images are served at unless data.resize says otherwise
+
+
+def load_hw(h: int, w: int, size: int) -> tuple[int, int]:
+    """The (h, w) a stored h x w image is served at: as stored when its shorter side is `size` (make-shards wrote it
+    so), else resized as make-shards resizes (torchvision's `Resize(size)`)."""
+    if min(h, w) == size:
+        return h, w
+    new_w, new_h = resized_size(w, h, size)
+    return new_h, new_w
+
+
+def _per_size(hw: np.ndarray, size_of) -> np.ndarray:
+    """`size_of(h, w)` of every row of `hw` [N, 2], computed once per distinct size (a reopened index of a million
+    samples holds far fewer sizes)."""
+    sizes, inverse = np.unique(hw.reshape(-1, 2), axis=0, return_inverse=True)
+    mapped = np.asarray([size_of(int(h), int(w)) for h, w in sizes], np.int64).reshape(-1, 2)
+    return mapped[inverse.reshape(-1)]
+
+
+def resize_uint8(img: Tensor, hw: tuple[int, int]) -> Tensor:
+    """uint8 [C, H, W] -> [C, *hw] (bicubic, antialiased), on the image's device; the image itself at that size."""
+    if tuple(img.shape[-2:]) == tuple(hw):
+        return img
+    out = torch.nn.functional.interpolate(img[None].float(), size=tuple(hw), mode="bicubic", antialias=True)
+    return out[0].round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _is_webp(data) -> bool:
+    head = bytes(data[:12])
+    return head[:4] == b"RIFF" and head[8:12] == b"WEBP"
+
+
+def decode_image(data) -> Tensor:
+    """JPEG, PNG or WebP bytes -> RGB uint8 [3, H, W] on the CPU."""
+    if not _is_webp(data):
+        return decode_cpu(data)
+    from torchvision.io import ImageReadMode, decode_webp
+
+    buf = data if isinstance(data, Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return decode_webp(buf, mode=ImageReadMode.RGB)
 
 
 def worker_start_method(cuda_initialised: bool) -> str | None:
@@ -123,8 +170,10 @@ class _Reader(Dataset):
     failed)` with the images' encoded bytes concatenated, for decoding on the GPU. `failed`: uq of the rows that did
     not read or decode (left out of the batch)."""
 
-    def __init__(self, urls: list[str], index: ShardIndex, uq: np.ndarray, decode: bool, max_aspect: float | None):
+    def __init__(self, urls: list[str], index: ShardIndex, uq: np.ndarray, decode: bool, max_aspect: float | None,
+                 hw: np.ndarray):  # fmt: skip
         self.urls, self.index, self.uq, self.decode, self.max_aspect = urls, index, uq, decode, max_aspect
+        self.hw = hw  # per row: the size it is served at before the aspect cap (`load_hw`)
         self._mmaps: dict[int, object] = {}
 
     def __len__(self) -> int:
@@ -146,7 +195,9 @@ class _Reader(Dataset):
         for row in rows:
             try:
                 data = self._bytes(row)
-                parts.append(cap_aspect(decode_cpu(data), self.max_aspect) if self.decode else data)
+                if self.decode:
+                    data = cap_aspect(resize_uint8(decode_image(data), self.hw[row]), self.max_aspect)
+                parts.append(data)
                 ok.append(row)
             except Exception as exn:
                 url = self.urls[int(self.index.shard[row])]
@@ -175,7 +226,7 @@ class ShardSource:
 
     def __init__(
         self,
-        shards_dir: str | Path,
+        shards_dir: str | Path | list,
         *,
         split: str = "train",
         labelled_share: float | None = None,
@@ -191,12 +242,9 @@ class ShardSource:
         decode: str = "auto",
         max_aspect: float | None = None,
         verify: bool = False,
+        resize: int | None = None,
+        intake: IntakeConfig | None = None,
     ):
-        self.dir = Path(shards_dir)
-        path = self.dir / "manifest.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: make the shards with `infosieve make-shards` first")
-        self.manifest = json.loads(path.read_text())
         for name, value, choices in (("split", split, ("train", "test")), ("sampling", sampling, SAMPLING_MODES),
                                      ("cache", cache, CACHE_MODES), ("decode", decode, DECODE_MODES)):  # fmt: skip
             if value not in choices:
@@ -211,34 +259,28 @@ class ShardSource:
         self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.memory_threshold_mb, self.gpu_cache_share, self.verify = memory_threshold_mb, gpu_cache_share, verify
-        self.max_aspect = max_aspect
+        self.max_aspect, self.intake = max_aspect, intake or IntakeConfig()
         self.gpu_decode = decode == "gpu" or (decode == "auto" and self.device.type == "cuda")
         self.decode_counts = DecodeCounts()  # images decoded so far, by where (a cached pass adds none)
         if self.gpu_decode and self.device.type != "cuda":
             raise ValueError(f"decode='gpu' needs a CUDA device, got device={self.device}: use decode='cpu'")
-        m = self.manifest
-        self.dataset = m["dataset"]
-        self.size = int(m["resize"])
-        self.n_old, self.n_classes = int(m["n_old"]), int(m["n_classes"])
-        self.class_names = list(m["classes"]["names"])  # target order
-        info = m["splits"][split]
-        self.records = info["shards"]
-        self.urls = [str(self.dir / r["name"]) for r in self.records]
-        skipped = np.sort(np.asarray([s["uq"] for s in m["skipped"] if s["split"] == split], np.int64))
-        self.n_train = int(info["n"]) - len(skipped)
-        self.problems = self._check_files()
-        self.index, problems = index_shards(self.urls)
-        for msg in problems:
+        if is_manifest_folder(shards_dir):
+            skipped = self._open_manifest(Path(shards_dir), split)
+        elif split == "test":
+            raise ValueError(f"{shards_dir}: foreign shards have no test split (only make-shards writes one)")
+        else:
+            skipped = self._open_foreign(shards_dir)
+        self.size = resize or self.size  # the shorter side images are served at (resized on load when it differs)
+        for msg in self.problems:
             _report(msg)
-        self.problems += problems
         self.uq = self.index.uq - np.searchsorted(skipped, self.index.uq)  # compacted, per index row
         self.row_of_uq = np.full(self.n_train, -1, np.int64)
         self.row_of_uq[self.uq] = np.arange(len(self.uq))
         self.labelled = np.zeros(self.n_train, bool)
         self.labelled[self.uq] = self.index.lab
         self.n_labelled = int(self.labelled.sum())
-        self.served_hw = np.asarray([capped_hw(int(h), int(w), max_aspect) for h, w in self.index.hw], np.int64)
-        self.served_hw = self.served_hw.reshape(-1, 2)  # per index row
+        self.load_hw = _per_size(self.index.hw, lambda h, w: load_hw(h, w, self.size))  # after the resize on load
+        self.served_hw = _per_size(self.load_hw, lambda h, w: capped_hw(h, w, max_aspect))  # per index row
         self._unreadable = set(np.flatnonzero(self.row_of_uq < 0).tolist())  # not in any readable shard
         if self._unreadable:
             _report(f"{self.dir} ({split}): {len(self._unreadable)} of {self.n_train} samples are in no readable shard")
@@ -248,6 +290,38 @@ class ShardSource:
         self.in_memory = self.cache_device is not None
         self._cache: DecodedCache | None = None
         self._test: ShardSource | None = None
+
+    def _open_manifest(self, folder: Path, split: str) -> np.ndarray:
+        """Open a make-shards folder's `split`; returns the uq of the images make-shards skipped (sorted)."""
+        self.dir = folder
+        self.manifest = m = json.loads((folder / "manifest.json").read_text())
+        self.dataset = m["dataset"]
+        self.size = int(m["resize"])
+        self.n_old, self.n_classes = int(m["n_old"]), int(m["n_classes"])
+        self.class_names = list(m["classes"]["names"])  # target order
+        info = m["splits"][split]
+        self.records = info["shards"]
+        self.urls = [str(folder / r["name"]) for r in self.records]
+        skipped = np.sort(np.asarray([s["uq"] for s in m["skipped"] if s["split"] == split], np.int64))
+        self.n_train = int(info["n"]) - len(skipped)
+        problems = self._check_files()
+        self.index, more, self.reused_index = make_shards_index_cached(self.urls, self.intake.index_cache)
+        self.problems = problems + more
+        return skipped
+
+    def _open_foreign(self, spec) -> np.ndarray:
+        """Open foreign WebDataset shards (data/intake.py): every readable sample is a train sample."""
+        opened = open_foreign(spec, self.intake)
+        self.dir = Path(spec) if isinstance(spec, (str, Path)) else Path(opened.urls[0]).parent
+        self.manifest = {"dataset": FOREIGN, "counts": {"test": 0}}  # no test split
+        self.dataset, self.size = FOREIGN, FOREIGN_SIZE
+        self.n_old, self.class_names = opened.n_old, opened.class_names
+        self.n_classes = len(self.class_names)
+        self.records = [{"name": Path(u).name} for u in opened.urls]
+        self.urls, self.index, self.reused_index = opened.urls, opened.index, opened.reused_index
+        self.n_train = len(self.index)
+        self.problems = opened.problems
+        return np.zeros(0, np.int64)
 
     # ---- checks and choices -------------------------------------------------------------------------------------
 
@@ -267,8 +341,6 @@ class ShardSource:
 
                 if _sha256(p) != rec["sha256"]:
                     problems.append(f"shard {p} does not match its sha256 in the manifest: damaged")
-        for msg in problems:
-            _report(msg)
         return problems
 
     # ---- reading ------------------------------------------------------------------------------------------------
@@ -276,7 +348,7 @@ class ShardSource:
     def _read(self, batches: list[np.ndarray], device: torch.device | None = None) -> Iterator[Batch]:
         """Batches of the given index rows, in order, on `device` (default: the source's), read (and decoded, unless
         on the GPU) by the workers."""
-        reader = _Reader(self.urls, self.index, self.uq, not self.gpu_decode, self.max_aspect)
+        reader = _Reader(self.urls, self.index, self.uq, not self.gpu_decode, self.max_aspect, self.load_hw)
         device = self.device if device is None else device
         workers = self.num_workers
         if workers <= 0:
@@ -302,19 +374,37 @@ class ShardSource:
     def _decode_on_gpu(self, flat: Tensor, lengths: Tensor, uq: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
         encoded = list(torch.split(flat, lengths.tolist()))
         fallbacks = self.decode_counts.gpu_fallback
-        decoded = decode_gpu(encoded, self.device, self.decode_counts)
+        decoded = self._decode_on_device(encoded)
         if fallbacks == 0 < self.decode_counts.gpu_fallback:
             self._report_gpu_fallback(self.decode_counts.gpu_fallback)
         keep = torch.tensor([d is not None for d in decoded], dtype=torch.bool)
         for u in uq[~keep].tolist():
             _report(f"skipped unreadable sample uq {u} of {self.dir}: it does not decode")
             self._unreadable.add(u)
-        images = [cap_aspect(d, self.max_aspect) for d in decoded if d is not None]
+        hw = self.load_hw[self.row_of_uq[uq.numpy()]]
+        images = [cap_aspect(resize_uint8(d, hw[i]), self.max_aspect) for i, d in enumerate(decoded) if d is not None]
         if not images:
             return torch.empty(0, 3, 1, 1, dtype=torch.uint8, device=self.device), None, keep
         canvas, sizes = pad_into(images)
         uniform = bool((sizes == sizes[:1]).all())
         return canvas, None if uniform else sizes.to(self.device), keep
+
+    def _decode_on_device(self, encoded: list[Tensor]) -> list[Tensor | None]:
+        """`decode_gpu` of the JPEGs and PNGs; WebPs (which nvJPEG does not read) decoded on the CPU and moved."""
+        webp = [_is_webp(e) for e in encoded]
+        rest = iter(decode_gpu([e for e, w in zip(encoded, webp, strict=True) if not w], self.device,
+                               self.decode_counts))  # fmt: skip
+        out: list[Tensor | None] = []
+        for e, w in zip(encoded, webp, strict=True):
+            if not w:
+                out.append(next(rest))
+                continue
+            try:
+                out.append(decode_image(e).to(self.device))
+                self.decode_counts.cpu += 1
+            except Exception:  # an undecodable WebP: the caller reports it unreadable
+                out.append(None)
+        return out
 
     def _report_gpu_fallback(self, n: int) -> None:
         _report(
@@ -395,7 +485,7 @@ class ShardSource:
                 self.dir, split="test", memory_threshold_mb=self.memory_threshold_mb, rank=self.rank,
                 world_size=self.world_size, num_workers=self.num_workers, seed=self.seed, device=self.device,
                 gpu_cache_share=self.gpu_cache_share, decode="gpu" if self.gpu_decode else "cpu",
-                max_aspect=self.max_aspect,
+                max_aspect=self.max_aspect, resize=self.size, intake=self.intake,
             )  # fmt: skip
         yield from self._test.test_batches(batch_size)
 

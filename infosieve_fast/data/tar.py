@@ -1,11 +1,13 @@
-"""Reading `make-shards` tars: members, samples (grouped as webdataset groups them) and a random-access sample index.
+"""Reading WebDataset tars: members, samples (grouped as webdataset groups them) and a random-access sample index.
 
 A plain-Python reader over mmap: about 6x faster than `tarfile` (which parses every header field of every member). It
 reads what `tarfile` writes (ustar, GNU long names, pax headers) and groups members into samples exactly as webdataset
 does (key = path up to the first dot of the file name, lower-case extension).
 
-`index_shards` walks the headers once and records where each sample's image lies, its size (read from the image's own
-header) and its bookkeeping; the stream then reads any sample by offset, so an epoch can be any global order.
+`index_rows` walks the headers once and records where each sample's image lies, its size (read from the image's own
+header) and its integer fields (`SampleKeys`: make-shards' cls/uq/lab, or a foreign label, `data.intake`); the stream
+then reads any sample by offset, so an epoch can be any global order. A compressed shard is recognised by its first
+bytes and reported with its sample count.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import os
 import re
 import struct
 import tarfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -91,7 +95,7 @@ def _member_spans(mm: mmap.mmap) -> Iterator[tuple[str, int, int]]:
         raise tarfile.ReadError(f"{size - pos} stray bytes at the end: truncated")
 
 
-def _sample_spans(mm: mmap.mmap) -> Iterator[tuple[str, dict[str, tuple[int, int]]]]:
+def sample_spans(mm: mmap.mmap) -> Iterator[tuple[str, dict[str, tuple[int, int]]]]:
     """(key, {extension: (offset, length)}) per sample, grouped as webdataset groups members."""
     key, parts = None, {}
     for name, start, n in _member_spans(mm):
@@ -123,33 +127,110 @@ def tar_samples(path: str) -> Iterator[dict]:
     """The samples of one shard: dicts of extension -> bytes, plus `__key__` and `__url__` (as webdataset's)."""
     mm = open_mmap(path)
     try:
-        for key, parts in _sample_spans(mm):
+        for key, parts in sample_spans(mm):
             yield {"__key__": key, "__url__": path, **{ext: mm[a : a + n] for ext, (a, n) in parts.items()}}
     finally:
         mm.close()
 
 
-def image_hw(head: bytes) -> tuple[int, int]:
-    """(height, width) of a JPEG or PNG from its first bytes (PNG IHDR, or the JPEG's start-of-frame segment)."""
+def image_members(path: str, image_keys: tuple[str, ...]) -> tuple[list[tuple[str, int, int]], int]:
+    """((key, offset, length) of each sample's image: the first of `image_keys` present, in storage order; the number
+    of samples with none of them). A compressed or damaged shard raises `tarfile.ReadError` with what to do."""
+    mm = open_mmap(path)
+    try:
+        kind = compression(mm[:8])
+        if kind is not None:
+            raise tarfile.ReadError(compressed_shard_problem(path, kind))
+        found, without = [], 0
+        for key, parts in sample_spans(mm):
+            span = next((parts[k] for k in image_keys if k in parts), None)
+            if span is None:
+                without += 1
+            else:
+                found.append((key, *span))
+        return found, without
+    finally:
+        mm.close()
+
+
+def read_span(path: str, offset: int, length: int) -> bytes:
+    """`length` bytes of the file at `path` from `offset`: one seek and one read."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+def image_hw(buf, start: int = 0, end: int | None = None) -> tuple[int, int]:
+    """(height, width) of the JPEG, PNG or WebP in `buf[start:end]` (bytes or an mmap), read from its header: the PNG
+    IHDR, the WebP frame header or the JPEG's start-of-frame segment. JPEG segments are skipped by their lengths, so
+    metadata of any size before the frame header (a large ICC profile, EXIF thumbnails) costs a few reads."""
+    end = len(buf) if end is None else end
+    head = buf[start : min(end, start + 32)]
     if head[:8] == PNG_MAGIC:
         w, h = struct.unpack(">II", head[16:24])
         return h, w
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return _webp_hw(head)
     if head[:2] != b"\xff\xd8":
-        raise ValueError("neither a JPEG nor a PNG")
-    pos = 2
-    while pos + 9 <= len(head):
-        if head[pos] != 0xFF:
-            raise ValueError(f"damaged JPEG header at byte {pos}")
-        marker = head[pos + 1]
+        raise ValueError("neither a JPEG, a PNG nor a WebP")
+    pos = start + 2
+    while pos + 9 <= end:
+        seg = buf[pos : pos + 9]
+        if seg[0] != 0xFF:
+            raise ValueError(f"damaged JPEG header at byte {pos - start}")
+        marker = seg[1]
         if marker == 0xFF:  # fill byte
             pos += 1
             continue
-        seg = struct.unpack(">H", head[pos + 2 : pos + 4])[0]
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
-            h, w = struct.unpack(">HH", head[pos + 5 : pos + 9])
+            h, w = struct.unpack(">HH", seg[5:9])
             return h, w
-        pos += 2 + seg
-    raise ValueError("JPEG header without a start-of-frame segment in its first bytes")
+        pos += 2 + struct.unpack(">H", seg[2:4])[0]
+    raise ValueError("JPEG without a start-of-frame segment")
+
+
+def _webp_hw(head: bytes) -> tuple[int, int]:
+    """(height, width) from the first 30 bytes of a WebP (lossy VP8, lossless VP8L or extended VP8X)."""
+    kind = head[12:16]
+    if kind == b"VP8 ":
+        w, h = struct.unpack("<HH", head[26:30])
+        return h & 0x3FFF, w & 0x3FFF
+    if kind == b"VP8L":
+        bits = int.from_bytes(head[21:25], "little")
+        return ((bits >> 14) & 0x3FFF) + 1, (bits & 0x3FFF) + 1
+    if kind == b"VP8X":
+        return int.from_bytes(head[27:30], "little") + 1, int.from_bytes(head[24:27], "little") + 1
+    raise ValueError(f"WebP with an unknown chunk {kind!r}")
+
+
+# The first bytes of a compressed tar: what the shard is, and how to decompress it.
+COMPRESSED_MAGIC = {
+    b"\x1f\x8b": ("gzip", "gunzip"),
+    b"BZh": ("bzip2", "bunzip2"),
+    b"\xfd7zXZ\x00": ("xz", "unxz"),
+    b"\x28\xb5\x2f\xfd": ("zstd", "unzstd"),
+}
+
+
+def compression(head: bytes) -> tuple[str, str] | None:
+    """(compression, the command that undoes it) when `head` starts a compressed file, else None."""
+    return next((v for magic, v in COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
+
+
+def compressed_shard_problem(path: str, kind: tuple[str, str]) -> str:
+    """The message for a compressed shard: how many samples it holds (counted through Python's decompressor) and
+    what to do."""
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            keys = {m.group(1) for m in map(_KEY_EXT.match, (i.name for i in tar if i.isfile())) if m}
+        count = f"its {len(keys):,} samples are"
+    except (tarfile.TarError, OSError, EOFError):
+        count = "all of its samples are"
+    name, tool = kind
+    return (
+        f"{path} is a {name}-compressed shard: {count} skipped. Decompress it (`{tool} -c {path} > NAME.tar`) and "
+        "point data.shards at the .tar: samples are read by byte offset, which a compressed stream does not allow"
+    )
 
 
 @dataclass
@@ -168,37 +249,81 @@ class ShardIndex:
         return len(self.uq)
 
 
-def index_shard(path: str) -> tuple[np.ndarray, str | None]:
-    """(int64 [n, 7]: offset, length, h, w, cls, uq, lab of the readable samples of one shard; problem or None)."""
+@dataclass(frozen=True)
+class SampleKeys:
+    """Which members of a sample hold its image (the first of `image` present) and its integer `fields` (as
+    make-shards writes them: cls, uq, lab). `data.intake` derives the keys of foreign shards from this."""
+
+    image: tuple[str, ...] = IMAGE_KEYS
+    fields: tuple[str, ...] = ("cls", "uq", "lab")
+
+    def missing(self, parts: dict) -> list[str]:
+        """The keys a sample lacks ('image' for no image key at all)."""
+        lacks = [] if any(k in parts for k in self.image) else ["image"]
+        return lacks + [k for k in self.fields if k not in parts]
+
+    def read(self, mm: mmap.mmap, parts: dict) -> list[int]:
+        """The sample's integer fields; ValueError when one does not parse."""
+        return [int(member_bytes(mm, parts[k])) for k in self.fields]
+
+    def describe(self, key: str) -> str:
+        """What a missing `key` means, for the message."""
+        return f"no image (none of {', '.join(self.image)})" if key == "image" else f"no {key!r} member"
+
+
+def member_bytes(mm: mmap.mmap, span: tuple[int, int]) -> bytes:
+    a, n = span
+    return mm[a : a + n]
+
+
+def _skipped_message(path: str, keys: SampleKeys, missing: Counter, unreadable: list[str]) -> str | None:
+    """One message for every sample of a shard that was left out: counts per missing key, and unreadable headers."""
+    parts = [f"{n:,} with {keys.describe(k)}" for k, n in sorted(missing.items())]
+    if unreadable:
+        parts.append(f"{len(unreadable):,} unreadable (first: {unreadable[0]})")
+    if not parts:
+        return None
+    fix = " (set data.intake.image_keys / data.intake.label_key to the shards' member names)" if missing else ""
+    return f"{path}: samples skipped: {'; '.join(parts)}{fix}"
+
+
+def index_shard(path: str, keys: SampleKeys = SampleKeys()) -> tuple[np.ndarray, list[str]]:
+    """(int64 [n, 4 + len(keys.fields)]: offset, length, h, w, fields... of the readable samples of one shard;
+    the problems met)."""
+    width = 4 + len(keys.fields)
     rows: list[tuple] = []
     try:
         mm = open_mmap(path)
     except (OSError, tarfile.ReadError) as exn:
-        return np.zeros((0, 7), np.int64), f"{path}: {type(exn).__name__}: {exn}"
-    problem = None
+        return np.zeros((0, width), np.int64), [f"{path}: {type(exn).__name__}: {exn}"]
+    kind = compression(mm[:8])
+    if kind is not None:
+        mm.close()
+        return np.zeros((0, width), np.int64), [compressed_shard_problem(path, kind)]
+    problems, missing, unreadable = [], Counter(), []
     try:
-        for key, parts in _sample_spans(mm):
-            img = next((parts[k] for k in IMAGE_KEYS if k in parts), None)
-            if img is None or not all(k in parts for k in ("cls", "uq", "lab")):
-                problem = f"{path}: incomplete sample {key} skipped"
+        for key, parts in sample_spans(mm):
+            lacks = keys.missing(parts)
+            if lacks:
+                missing.update(lacks)
                 continue
+            a, n = next(parts[k] for k in keys.image if k in parts)
             try:
-                a, n = img
-                h, w = image_hw(mm[a : a + min(n, 65536)])
-                meta = [int(mm[parts[k][0] : parts[k][0] + parts[k][1]]) for k in ("cls", "uq", "lab")]
+                rows.append((a, n, *image_hw(mm, a, a + n), *keys.read(mm, parts)))
             except ValueError as exn:
-                problem = f"{path}: sample {key} unreadable ({exn})"
-                continue
-            rows.append((a, n, h, w, *meta))
+                unreadable.append(f"{key}: {exn}")
     except tarfile.ReadError as exn:
-        problem = f"{path}: {exn}; the samples after the damage are unreadable"
+        problems.append(f"{path}: {exn}; the samples after the damage are unreadable")
     finally:
         mm.close()
-    return np.asarray(rows, np.int64).reshape(-1, 7), problem
+    skipped = _skipped_message(path, keys, missing, unreadable)
+    return np.asarray(rows, np.int64).reshape(-1, width), problems + ([skipped] if skipped else [])
 
 
-def index_shards(paths: list[str], processes: int | None = None) -> tuple[ShardIndex, list[str]]:
-    """The index of every readable sample of `paths`, and the problems met (damaged shards, unreadable headers).
+def index_rows(
+    paths: list[str], keys: SampleKeys = SampleKeys(), processes: int | None = None
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(shard position per row, `index_shard` rows of every shard, problems) of `paths`, in storage order.
 
     The shards are indexed in parallel by `processes` (default: one per CPU core, up to one per shard): the header
     walk costs ~30 us per sample in Python, ~40 s for ImageNet-1k on one core."""
@@ -207,12 +332,23 @@ def index_shards(paths: list[str], processes: int | None = None) -> tuple[ShardI
         import multiprocessing
 
         with multiprocessing.get_context("fork").Pool(processes) as pool:
-            results = pool.map(index_shard, paths, chunksize=1)
+            results = pool.map(partial(index_shard, keys=keys), paths, chunksize=1)
     else:
-        results = [index_shard(p) for p in paths]
+        results = [index_shard(p, keys) for p in paths]
     shard = np.concatenate(
         [np.full(len(r), i, np.int32) for i, (r, _) in enumerate(results)] or [np.zeros(0, np.int32)]
     )
-    rows = np.concatenate([r for r, _ in results] or [np.zeros((0, 7), np.int64)])
-    index = ShardIndex(shard, rows[:, 0], rows[:, 1], rows[:, 2:4], rows[:, 4], rows[:, 5], rows[:, 6].astype(bool))
-    return index, [p for _, p in results if p]
+    rows = np.concatenate([r for r, _ in results] or [np.zeros((0, 4 + len(keys.fields)), np.int64)])
+    return shard, rows, [msg for _, problems in results for msg in problems]
+
+
+def index_shards(paths: list[str], processes: int | None = None) -> tuple[ShardIndex, list[str]]:
+    """The index of every readable sample of make-shards' `paths`, and the problems met (damaged shards, unreadable
+    headers, incomplete samples)."""
+    shard, rows, problems = index_rows(paths, SampleKeys(), processes)
+    return make_shards_index(shard, rows), problems
+
+
+def make_shards_index(shard: np.ndarray, rows: np.ndarray) -> ShardIndex:
+    """The `ShardIndex` of `index_rows` read with make-shards' keys (fields cls, uq, lab)."""
+    return ShardIndex(shard, rows[:, 0], rows[:, 1], rows[:, 2:4], rows[:, 4], rows[:, 5], rows[:, 6].astype(bool))
