@@ -76,7 +76,7 @@ PLAN = [
         "needs the dataset download "
         "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run both layouts on stand-ins)",
     ),  # fmt: skip
-    Entry(r"infosieve train --config configs/cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
+    Entry(r"infosieve train --config configs/(dinov2-)?cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
     Entry(
         r"torchrun --nproc_per_node=\d+ -m infosieve_fast\.cli .*",
         "parse",
