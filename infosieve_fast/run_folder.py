@@ -231,6 +231,8 @@ def _train_epochs(
             )
         dist.barrier()  # the checkpoint is written (or being written, in the background) before any rank moves on
         if stop_after is not None and stop_after(epoch):
+            ckpt.wait_for_checkpoint()
+            dist.barrier()  # a rank that goes on to resume must find the checkpoint rank 0 was still writing
             return False
     return True
 
