@@ -9,6 +9,7 @@ prints the hash of commit C's code, to check a result's `tree_hash` against the 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -77,7 +78,13 @@ def commit_tree_hash(commit: str) -> str:
 
 
 def stamp() -> dict:
-    """The provenance fields every result JSON carries."""
+    """The provenance fields every result JSON carries, read once per process: a benchmark writes its JSON after every
+    step, and the code that ran is the code it started with."""
+    return dict(_stamp())
+
+
+@functools.cache
+def _stamp() -> dict:
     commit, dirty = git_state()
     return {"commit": commit, "dirty": dirty, "tree_hash": tree_hash(), **({"smoke": True} if smoke.active() else {})}
 
