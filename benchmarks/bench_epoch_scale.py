@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
         src = ShardSource(shards, device=trainer.device, cache="off", decode=other, num_workers=args.workers, seed=1)
         phase_done("loader_other_decode", loader_other_decode={"decode": other,
                                                                **loader_rate(src, args.batch, args.loader_batches)})
+    trainer.compile_once()  # the default path (train.compile=auto), compiled before the timed phases as training does
+    phase_done("compile", compile=trainer.compiled.fields())
     features, fs = feature_pass(trainer)
     phase_done("feature_pass", feature_pass=features)
     t0 = time.perf_counter()

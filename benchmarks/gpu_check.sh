@@ -114,7 +114,7 @@ step epoch-in1k 150 "$PY" benchmarks/bench_epoch_scale.py --device "$DEVICE" \
 step cache-herb19 90 "$PY" benchmarks/bench_gpu_cache.py --device "$DEVICE" --json "$out/gpu-cache-herbarium19.json"
 
 step train 120 "$PY" benchmarks/bench_train.py --device "$DEVICE" --epoch --epoch-variants fast_default,fast_all \
-  --variants published_fp32,published_bf16,fast_default,fast_all --as-released-subset 1024 --json "$out/train.json"
+  --variants published_fp32,published_bf16,fast_default,fast_eager,fast_all --as-released-subset 1024 --json "$out/train.json"
 
 step kernels 60 "$PY" benchmarks/bench_kernels.py --device "$DEVICE" --budget-s 40 --json "$out/kernels.json"
 

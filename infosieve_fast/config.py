@@ -179,7 +179,9 @@ class TrainConfig:
     # loss are read from the device every `check_every` steps (and at the end of the epoch).
     check_every: int = 50
     frozen_bf16: bool = False  # the frozen ViT prefix stored and run in plain bf16 instead of under autocast
-    compile: bool = False  # torch.compile the backbone blocks and the projection head (CUDA only; ~20 s to compile)
+    # torch.compile of the backbone blocks and the projection head: "auto" compiles on CUDA and falls back to eager if
+    # compiling fails (the log says which ran), "on" raises instead, "off" never compiles (infosieve_fast/compiling.py)
+    compile: str = "auto"
     checkpoint_blocks: bool = False  # recompute the trained ViT blocks' activations in backward (less memory)
     # each epoch's checkpoint serialised and fsynced in a writer thread while the next epoch runs (its state copied to
     # host memory first); the next checkpoint and the end of the run wait for it, and a failed write is raised there
@@ -226,6 +228,7 @@ CHOICES = {
     "train.amp": ("auto", "bf16", "off"),
     "train.eval_protocol": ("v1", "v2", "v2b"),
     "train.kernels": ("auto", "triton", "torch"),
+    "train.compile": ("auto", "on", "off"),  # true/false in YAML read as on/off
 }
 
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import distributed as dist
+from .compiling import CompileOutcome, check_compile_setting, compile_with_fallback, compiled_modules
 from .config import Config, ConfigError
 from .data import InMemoryGCD, build_source
 from .data.augment import AugmentConfig, DeviceAugment
@@ -198,16 +199,6 @@ def check_source_fits(cfg: Config, source: GCDSource) -> None:
             )
 
 
-def compile_model(model: InfoSieve, device: torch.device) -> None:
-    """`train.compile`: compile the backbone's blocks and the projection head in place (state-dict keys unchanged).
-    The blocks share one graph; the frozen and trained ones differ only in grad mode."""
-    if device.type != "cuda":
-        raise ValueError("train.compile=true needs CUDA (torch.compile on the CPU does not pay here): set it false")
-    for block in getattr(model.backbone.net, "blocks", []):
-        block.compile(dynamic=False)
-    model.projection.compile(dynamic=False)
-
-
 class Trainer:
     """Training of `cfg` on `source` (built from `cfg.data` when None). `pretrained=False` for a trainer a checkpoint
     fills (`load_state_dict`, `load_model_state`): its backbone is built without `model.pretrained`."""
@@ -228,8 +219,8 @@ class Trainer:
         self.augment = DeviceAugment(AugmentConfig(d.crop_size, d.hflip, tuple(d.mean), tuple(d.std), d.color_jitter))
         self.amp = autocast_enabled(cfg.train.amp, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
-        if cfg.train.compile:
-            compile_model(self.model, self.device)
+        check_compile_setting(cfg.train.compile, self.device)
+        self.compiled: CompileOutcome | None = None  # set by the first `train_epoch` (evaluation alone stays eager)
         # `self.model` stays the plain module (checkpoints, feature passes); `self.net` runs the training forward.
         # Every trainable parameter takes part in every loss (the categorizer too: an empty labelled batch gives it a
         # zero gradient, not none), and the frozen backbone prefix has requires_grad=False, so DDP needs no
@@ -401,6 +392,7 @@ class Trainer:
             group["lr"] = sched.lr
 
         name = f"epoch {epoch + 1}/{cfg.schedule.epochs}"
+        compile_record = self.compile_once()
         status = status_line(f"{name}: feature pass ({self.source.n_train} samples)")
         fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
         check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
@@ -435,9 +427,41 @@ class Trainer:
         end = time.perf_counter()  # monitor.check() read the device: the steps have finished
         record.update({
             "kmeans_inertia": clustering.inertia, "seconds": end - start, "seconds_features": features_done - start,
-            "seconds_kmeans": kmeans_done - features_done, "seconds_steps": end - kmeans_done,
+            "seconds_kmeans": kmeans_done - features_done, "seconds_steps": end - kmeans_done, **compile_record,
         })  # fmt: skip
         return record
+
+    def compile_once(self) -> dict:
+        """`train.compile`, before the first epoch of this process (`train_epoch` calls it): the epoch record's
+        `compile` (the path that runs) and `seconds_compile` (what this call paid: 0 once done)."""
+        paid = 0.0
+        if self.compiled is None:
+            status = status_line(f"train.compile={self.cfg.train.compile}: compiling")
+            self.compiled = compile_with_fallback(
+                compiled_modules(self.model), self.cfg.train.compile, self.device, self._trace_graphs
+            )
+            status.close()
+            paid = self.compiled.seconds
+        return {"compile": self.compiled.path, "seconds_compile": paid}
+
+    def _trace_graphs(self) -> None:
+        """Run every graph a run uses once, at its shapes: the step's forward and backward (both views of a batch)
+        and the feature pass's forward. Parameters, buffers, gradients and the RNG are left as they were."""
+        d, model = self.cfg.data, self.model
+        buffers = [b.clone() for b in model.buffers()]
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            shape = (3, d.crop_size, d.crop_size)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                out = model(torch.zeros(2 * d.batch_size, *shape, device=self.device))
+            (out.projection.sum() + out.backbone.float().sum()).backward()
+            model.eval()
+            with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                model.features(torch.zeros(d.feature_batch_size, *shape, device=self.device))
+            model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
 
     def steps_per_epoch(self) -> int:
         """Training steps of an epoch: full global batches of the readable samples, capped by

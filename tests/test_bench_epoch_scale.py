@@ -8,7 +8,7 @@ import pytest
 from benchmarks import bench_epoch_scale
 from benchmarks.bench_epoch_scale import IMAGENET1K_TRAIN, main
 
-PHASES = ["shards", "loader", "feature_pass", "kmeans_at_this_n", "window"]  # CPU: no nvJPEG to compare with
+PHASES = ["shards", "loader", "compile", "feature_pass", "kmeans_at_this_n", "window"]  # CPU: no nvJPEG to compare with
 
 TINY = [
     "--device", "cpu", "--n", "96", "--classes", "8", "--size", "64", "--crop", "32", "--batch", "16",
@@ -33,6 +33,7 @@ def test_tiny_run_projects_an_imagenet_epoch(tmp_path, shards_dir):
     w, p, s = res["window"], res["projection"], res["summary"]
     assert w["steps"] == 8 and w["epochs_spanned"] >= 2  # 96 // 16 = 6 steps per epoch: the window spans epochs
     assert res["loader"]["images"] == 4 * 16 and res["feature_pass"]["images"] == 96
+    assert res["compile"]["compile"] == "eager" and "CPU" in res["compile"]["compile_reason"]  # auto, on the CPU
     assert p["steps"] == IMAGENET1K_TRAIN // 16
     assert p["steps_s"] == pytest.approx(p["steps"] * w["ms_per_step"] / 1000, abs=0.06)
     assert p["feature_pass_s"] == pytest.approx(IMAGENET1K_TRAIN / res["feature_pass"]["images_per_s"], abs=0.06)

@@ -19,7 +19,7 @@ EPOCH = [
     "--epoch", "--epoch-variants", "fast_default,fast_all", "--n-train", "32", "--n-test", "12",
     "--feature-batch", "16", "--published-feature-batch", "8", "--as-released-subset", "12",
 ]  # fmt: skip
-VARIANTS = ["--variants", "published_fp32,published_bf16,fast_default,fast_all"]
+VARIANTS = ["--variants", "published_fp32,published_bf16,fast_default,fast_eager,fast_all"]
 README_COMMAND = "--device cpu --backbone vit_tiny_patch16_224 --batch 8 --steps 20 --warmup 3 --variants " \
                  "published_fp32,fast_default".split()  # fmt: skip
 GPU_CHECK_COMMAND = ["--device", "cpu", "--epoch", "--epoch-variants", "fast_default,fast_all", *VARIANTS]
@@ -37,7 +37,8 @@ def test_report_names_its_provenance_and_leads_with_the_default_against_its_fair
     assert report["commit"] == "unknown" or len(report["commit"]) == 40
     assert isinstance(report["dirty"], bool) and len(report["tree_hash"]) == 64
     assert report["device"].startswith("cpu")
-    assert list(report["step"]["variants"]) == ["fast_default", "published_bf16", "published_fp32", "fast_all"]
+    assert list(report["step"]["variants"]) == [
+        "fast_default", "published_bf16", "published_fp32", "fast_eager", "fast_all"]
     first = list(report["summary"])[:3]
     assert first == ["default_variant", "step_speedup_vs_published_bf16", "peak_memory_ratio_vs_published_bf16"]
     assert report["summary"]["default_variant"] == "fast_default"
@@ -47,6 +48,8 @@ def test_cuda_only_variants_are_skipped_on_the_cpu_with_the_reason(report):
     for entry in (report["step"]["variants"]["fast_all"], report["epoch"]["fast_all"]):
         assert "CUDA" in entry["skipped"] and "torch.compile" in entry["skipped"]
     assert report["summary"]["fastest_epoch_variant"] == "fast_default"
+    for entry in (report["step"]["variants"]["fast_default"], report["epoch"]["fast_default"]):
+        assert entry["compile"] == "eager" and "CPU" in entry["compile_reason"] and entry["seconds_compile"] == 0.0
 
 
 def test_every_summary_ratio_is_its_numerator_over_its_denominator(report):
@@ -171,8 +174,10 @@ def test_documented_command_sets_up_every_variant_at_crop_224():
     for overrides in bench_train.FAST_VARIANTS.values():
         assert bench_train.fast_config(args, overrides).data.crop_size == 224
     for variant in args.variants:
-        step, finish = bench_train.step_functions(args, args.device, variant, batch, pseudo, n_old)
+        step, finish, compiled = bench_train.step_functions(args, args.device, variant, batch, pseudo, n_old)
         assert callable(step) and callable(finish)
+        assert compiled == ({} if variant.startswith("published") else {
+            "compile": "eager", "compile_reason": compiled["compile_reason"], "seconds_compile": 0.0})
 
 
 def test_smoke_size_keeps_what_a_command_sets(monkeypatch):

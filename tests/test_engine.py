@@ -167,11 +167,6 @@ def test_rng_state_stays_on_the_cpu_whatever_the_map_location(tmp_path):
     assert torch.equal(torch.get_rng_state(), saved) and torch.equal(torch.rand(5), expected)
 
 
-def test_compile_on_the_cpu_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match="train.compile=true needs CUDA"):
-        Trainer(smoke_config("train.compile=true"))
-
-
 def test_loss_monitor_reports_the_first_non_finite_step_with_its_terms():
     monitor = LossMonitor(epoch=3)
     for total in (1.0, 2.0, float("inf"), float("nan"), 5.0):
