@@ -182,6 +182,9 @@ class TrainConfig:
     # torch.compile of the backbone blocks and the projection head: "auto" compiles on CUDA and falls back to eager if
     # compiling fails (the log says which ran), "on" raises instead, "off" never compiles (infosieve_fast/compiling.py)
     compile: str = "auto"
+    # the frozen prefix's tokens of the test-view passes kept and replayed: "auto" (on the GPU if they fit, else in RAM
+    # below data.memory_threshold_mb, else recomputed) | "off" (infosieve_fast/token_cache.py)
+    token_cache: str = "auto"
     checkpoint_blocks: bool = False  # recompute the trained ViT blocks' activations in backward (less memory)
     # each epoch's checkpoint serialised and fsynced in a writer thread while the next epoch runs (its state copied to
     # host memory first); the next checkpoint and the end of the run wait for it, and a failed write is raised there
@@ -229,6 +232,7 @@ CHOICES = {
     "train.eval_protocol": ("v1", "v2", "v2b"),
     "train.kernels": ("auto", "triton", "torch"),
     "train.compile": ("auto", "on", "off"),  # true/false in YAML read as on/off
+    "train.token_cache": ("auto", "off"),
 }
 
 

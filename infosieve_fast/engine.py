@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +30,9 @@ from .data.base import Batch, GCDSource
 from .kmeans import semi_supervised_kmeans
 from .loss import InfoSieveLoss, check_labelled_targets
 from .metrics import evaluate_split
-from .model import Backbone, InfoSieve
+from .model import Backbone, InfoSieve, PrefixTokens
 from .schedule import epoch_schedule
+from .token_cache import TokenCache
 
 
 class NonFiniteLoss(RuntimeError):
@@ -221,6 +222,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         check_compile_setting(cfg.train.compile, self.device)
         self.compiled: CompileOutcome | None = None  # set by the first `train_epoch` (evaluation alone stays eager)
+        self.token_cache = TokenCache(cfg.train.token_cache, self.device, cfg.data.memory_threshold_mb)
         # `self.model` stays the plain module (checkpoints, feature passes); `self.net` runs the training forward.
         # Every trainable parameter takes part in every loss (the categorizer too: an empty labelled batch gives it a
         # zero gradient, not none), and the frozen backbone prefix has requires_grad=False, so DDP needs no
@@ -246,18 +248,16 @@ class Trainer:
         embed = embed or self.model.features
         dist.broadcast_buffers(self.model)  # e.g. BatchNorm statistics: each rank's last DDP forward left its own
         self.model.eval()
-        gen = self._generator(rank_seed(seed))
-        parts: list[tuple[Tensor, ...]] = []
-        for batch in self.source.feature_batches(self.cfg.data.feature_batch_size):
-            batch = batch.to(self.device, non_blocking=True)
-            x = (
-                self.augment.train_views(batch.images, 1, gen, batch.sizes)
-                if view == "train"
-                else self.augment.test_view(batch.images, batch.sizes)
-            )
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                f = embed(x)
-            parts.append((f, batch.targets, batch.labelled, batch.uq))
+        if view == "test":
+            parts = list(self._test_view_features("train", embed))
+        else:
+            parts = []
+            gen = self._generator(rank_seed(seed))
+            for batch in self.source.feature_batches(self.cfg.data.feature_batch_size):
+                batch = batch.to(self.device, non_blocking=True)
+                x = self.augment.train_views(batch.images, 1, gen, batch.sizes)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                    parts.append((embed(x), batch.targets, batch.labelled, batch.uq))
         self.model.train()
         if parts:
             feats, targets, labelled, uq = (torch.cat(t) for t in zip(*parts, strict=True))
@@ -281,6 +281,39 @@ class Trainer:
             self.unreadable = unreadable.tolist()
             self.source.exclude(self.unreadable)  # never drawn for training
         return FeatureSet(feats[order], targets[order].long(), labelled[order].bool(), uq, all_uq)
+
+    def _test_view_features(self, split: str, embed: Callable) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """(features, targets, labelled, uq) of this rank's test-view batches of `split` ("train" or "test"), in the
+        fixed feature-pass order: replayed from the token cache when it holds the split, else computed (and recorded
+        when the frozen prefix may be cached)."""
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
+        replay = self.token_cache.replay(split)
+        if replay is not None:
+            for entry in replay:
+                with autocast:
+                    f = embed(PrefixTokens(entry.tokens.to(self.device, non_blocking=True)))
+                yield f, *(t.to(self.device, non_blocking=True) for t in (entry.targets, entry.labelled, entry.uq))
+            return
+        size = self.cfg.data.feature_batch_size
+        if split == "train":
+            batches, n = self.source.feature_batches(size), self.source.n_train
+        else:
+            counts = getattr(self.source, "manifest", {}).get("counts", {})
+            batches, n = self.source.test_batches(size), counts.get("test") or self.source.n_train
+        backbone = self.model.backbone
+        recorder = self.token_cache.recorder(split, -(-n // dist.get_world_size())) if backbone.prefix_is_pure else None
+        for batch in batches:
+            batch = batch.to(self.device, non_blocking=True)
+            x = self.augment.test_view(batch.images, batch.sizes)
+            with autocast:
+                if recorder is not None:
+                    tokens = backbone.frozen_tokens(x)
+                    recorder.add(tokens, batch)
+                    x = PrefixTokens(tokens)
+                f = embed(x)
+            yield f, batch.targets, batch.labelled, batch.uq
+        if recorder is not None:
+            recorder.finish()
 
     def gather_table(self, fs: FeatureSet, values: Tensor, fill: int = -1) -> Tensor:
         """Per-sample `values` of this rank's share (aligned with `fs.uq`) as the complete table indexed by uq,
@@ -356,12 +389,9 @@ class Trainer:
         self.model.eval()
         centers = centers.to(self.device).float()
         preds, targets = [], []
-        for batch in self.source.test_batches(self.cfg.data.feature_batch_size):
-            batch = batch.to(self.device, non_blocking=True)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                f = self.model.features(self.augment.test_view(batch.images, batch.sizes))
+        for f, y, _, _ in self._test_view_features("test", self.model.features):
             preds.append(torch.cdist(f.float(), centers).argmin(1))
-            targets.append(batch.targets)
+            targets.append(y)
         self.model.train()
         y = dist.all_gather_cat(torch.cat(targets))[0]
         p = dist.all_gather_cat(torch.cat(preds))[0]
@@ -506,6 +536,7 @@ class Trainer:
     def load_model_state(self, state: dict) -> None:
         """A checkpoint's weights, k-means centres and K: what evaluating or reading a finished run needs."""
         self.model.load_state_dict(state["model"])
+        self.token_cache.clear()  # the frozen prefix's weights may have changed
         self.centers = state.get("centers")
         self.n_clusters = state.get("n_clusters")
 

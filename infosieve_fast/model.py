@@ -28,6 +28,14 @@ _BLOCK_INDEX = re.compile(r"blocks?\.(\d+)\.")
 
 
 # ----------------------------------------------------------------------------------------------------------- backbone
+@dataclass(frozen=True)
+class PrefixTokens:
+    """The frozen prefix's output for a batch, passed where images go (`Backbone.forward`, `InfoSieve.features`, the
+    model's forward) so that only the trained part runs."""
+
+    tokens: Tensor
+
+
 class Backbone(nn.Module):
     """A timm model (or any module mapping images to [B, feat_dim]) with the reference's freezing rule.
 
@@ -82,17 +90,38 @@ class Backbone(nn.Module):
                 x = block(x)
         return x
 
-    def forward(self, x: Tensor) -> Tensor:
+    @property
+    def prefix_is_pure(self) -> bool:
+        """Whether the frozen prefix's output is a function of the image alone, so it may be cached across passes: a
+        split ViT whose frozen modules keep no running statistics (a BatchNorm there is updated by every training
+        forward, frozen or not)."""
         if not self._split_vit:
+            return False
+        modules = (m for frozen in self._frozen_modules() for m in frozen.modules())
+        return not any(getattr(m, "track_running_stats", False) for m in modules)
+
+    def frozen_tokens(self, x: Tensor) -> Tensor:
+        """The frozen prefix's output for images `x` (no autograd), as `forward` computes it."""
+        with torch.inference_mode():
+            return self._frozen_prefix(x)
+
+    def forward(self, x: Tensor | PrefixTokens) -> Tensor:
+        """Features of images `x`, or of `PrefixTokens` (the frozen prefix's output computed earlier: only the trained
+        blocks and the head run)."""
+        if isinstance(x, PrefixTokens):
+            if not self._split_vit:
+                raise TypeError("PrefixTokens need a backbone split into a frozen prefix and trained blocks")
+            x = x.tokens
+        elif not self._split_vit:
             return self.net(x)
-        net, g = self.net, self.grad_from_block
-        if torch.is_grad_enabled():
-            with torch.inference_mode():
-                x = self._frozen_prefix(x)
-            # An inference tensor cannot enter autograd: copy it (one activation per step), in the trained blocks' dtype
-            x = x.float() if self.frozen_bf16 else x.clone()
+        elif torch.is_grad_enabled():
+            x = self.frozen_tokens(x)
         else:
             x = self._frozen_prefix(x)
+        net, g = self.net, self.grad_from_block
+        if torch.is_grad_enabled():  # an inference tensor cannot enter autograd: copy it (one activation per step)
+            x = x.float() if self.frozen_bf16 else x.clone()
+        else:
             x = x.float() if self.frozen_bf16 else x
         for block in net.blocks[g:]:
             if self.checkpoint_trained and torch.is_grad_enabled():

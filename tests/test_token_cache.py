@@ -1,0 +1,116 @@
+"""The token cache of the test-view passes: replayed features equal recomputed ones (before and after training, for
+backbone features and for codes), a replay reads no image, and the cache stays off where the frozen prefix is not a
+pure function of the image (BatchNorm) or does not fit."""
+
+import pytest
+import torch
+from torch import nn
+
+from infosieve_fast.code_metrics import code_features
+from infosieve_fast.config import ConfigError, load_config
+from infosieve_fast.data.shards import make_shards
+from infosieve_fast.engine import Trainer
+
+TINY_VIT = [
+    "train.device=cpu", "model.backbone=vit_tiny_patch16_224",
+    "model.backbone_kwargs={in_chans: 1, img_size: 32, patch_size: 8, depth: 3}", "model.grad_from_block=2",
+    "data.crop_size=32", "train.train_subset=96", "data.batch_size=32", "data.feature_batch_size=40",
+    "kmeans.n_init=1", "model.proj_out_dim=64", "model.proj_hidden_dim=32", "model.proj_bottleneck_dim=16",
+    "train.max_steps_per_epoch=2",
+]  # fmt: skip
+
+
+def trainer(*extra) -> Trainer:
+    return Trainer(load_config("configs/demo.yaml", [*TINY_VIT, *extra]))
+
+
+def no_images(*args, **kwargs):
+    raise AssertionError("a replayed pass read the data source")
+
+
+def assert_same_features(a, b):
+    assert torch.equal(a.uq, b.uq) and torch.equal(a.targets, b.targets) and torch.equal(a.labelled, b.labelled)
+    assert torch.equal(a.feats, b.feats)
+
+
+def test_replayed_test_view_features_equal_recomputed_ones_before_and_after_training(monkeypatch):
+    cached, plain = trainer(), trainer("train.token_cache=off")
+    first = cached.extract_features("test")
+    assert cached.token_cache.placement == {"train": "cpu"} and len(cached.token_cache.splits["train"]) == 3
+    assert_same_features(first, plain.extract_features("test"))
+    for t in (cached, plain):
+        t.train_epoch(0)  # the trained blocks and the head change; the frozen prefix does not
+    monkeypatch.setattr(cached.source, "feature_batches", no_images)
+    after = cached.extract_features("test")
+    assert_same_features(after, plain.extract_features("test"))
+    assert not torch.equal(after.feats, first.feats)  # training did change the features
+    assert_same_features(code_features(cached), code_features(plain))  # the codes' pass replays the tokens too
+    assert plain.token_cache.splits == {}
+
+
+def test_the_augmented_pass_never_uses_the_cache(monkeypatch):
+    cached = trainer()
+    cached.extract_features("test")
+    monkeypatch.setattr(cached.token_cache, "replay", no_images)
+    monkeypatch.setattr(cached.token_cache, "recorder", no_images)
+    cached.extract_features("train", seed=3)
+
+
+def test_loading_weights_forgets_the_tokens():
+    cached = trainer()
+    cached.extract_features("test")
+    cached.load_model_state({"model": cached.model.state_dict()})
+    assert cached.token_cache.splits == {} and cached.token_cache.placement == {}
+
+
+def test_tokens_that_do_not_fit_are_recomputed_every_pass(capsys):
+    cached, plain = trainer("data.memory_threshold_mb=0.01"), trainer("train.token_cache=off")
+    for _ in range(2):
+        assert_same_features(cached.extract_features("test"), plain.extract_features("test"))
+    assert cached.token_cache.placement == {"train": "recompute"} and cached.token_cache.splits == {}
+    assert "nowhere: recomputed every pass" in capsys.readouterr().err
+
+
+def test_a_prefix_with_running_statistics_is_not_cached():
+    cached = trainer()
+    backbone = cached.model.backbone
+    assert backbone.prefix_is_pure
+    backbone.net.blocks[0].add_module("stats", nn.BatchNorm1d(4))  # frozen, yet updated by every training forward
+    assert not backbone.prefix_is_pure
+    cached.extract_features("test")
+    assert cached.token_cache.splits == {}
+
+
+def test_a_backbone_without_a_frozen_prefix_is_not_cached():
+    cached = Trainer(load_config("configs/demo.yaml", [*TINY_VIT[:-1], "model.grad_from_block=null"]))
+    assert not cached.model.backbone.prefix_is_pure
+    cached.extract_features("test")
+    assert cached.token_cache.splits == {}
+
+
+def test_the_setting_is_checked():
+    assert not trainer("train.token_cache=off").token_cache.enabled
+    with pytest.raises(ConfigError, match=r"train.token_cache must be one of \('auto', 'off'\)"):
+        trainer("train.token_cache=gpu")
+
+
+def test_the_test_split_replays_its_tokens_too(realdata, tmp_path, monkeypatch):
+    """From shards with a test split: the inductive test-split evaluation gives the same accuracy from replayed
+    tokens as recomputed, and the replay reads no test image."""
+    for split, lo, hi in (("train", 0, 16), ("test", 16, 24)):
+        for cls in ("airplane", "automobile", "bird"):
+            (tmp_path / "raw" / split / cls).mkdir(parents=True)
+            for src in sorted((realdata / "cifar10_test" / "test" / cls).glob("*.jpg"))[lo:hi]:
+                (tmp_path / "raw" / split / cls / src.name).symlink_to(src)
+    make_shards("imagefolder", tmp_path / "raw", tmp_path / "shards", resize=36, known_classes=[0, 1], progress=False)
+    shards = [
+        "data.source=shards", f"data.shards={tmp_path / 'shards'}", "data.num_workers=0", "data.mean=[0.5, 0.5, 0.5]",
+        "data.std=[0.25, 0.25, 0.25]", "model.backbone_kwargs={in_chans: 3, img_size: 32, patch_size: 8, depth: 3}",
+        "train.train_subset=null",
+    ]  # fmt: skip
+    cached, plain = trainer(*shards), trainer(*shards, "train.token_cache=off")
+    centers = torch.nn.functional.normalize(torch.randn(3, cached.model.backbone.feat_dim), dim=1)
+    first = cached.evaluate_test(centers)
+    assert cached.token_cache.placement == {"test": "cpu"}
+    monkeypatch.setattr(cached.source, "test_batches", no_images)
+    assert cached.evaluate_test(centers) == first == plain.evaluate_test(centers)
