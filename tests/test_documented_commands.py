@@ -78,6 +78,12 @@ PLAN = [
     ),  # fmt: skip
     Entry(r"infosieve train --config configs/(dinov2-)?cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
     Entry(
+        r"torchrun --nnodes=\d+ --node_rank=\d+ --nproc_per_node=\d+ --master_addr=\S+ --master_port=\d+ "
+        r"-m infosieve_fast\.cli .*",
+        "parse",
+        "needs several machines (tests/test_multinode.py runs two nodes on this one)",
+    ),  # fmt: skip
+    Entry(
         r"torchrun --nproc_per_node=\d+ -m infosieve_fast\.cli .*",
         "parse",
         "needs several GPUs (tests/test_engine_ddp.py runs the same path on gloo ranks)",
