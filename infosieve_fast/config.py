@@ -134,6 +134,7 @@ class IntakeConfig:
     labelled_prop: float = 0.5
     split_seed: int = 0
     index_cache: str = "~/.cache/infosieve/index"  # the saved shard index, when the shards' folder is read-only
+    download_cache: str = "~/.cache/infosieve/shards"  # where pipe: and http(s):// shards are fetched to, once
 
 
 @dataclass

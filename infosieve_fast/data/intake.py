@@ -31,13 +31,14 @@ from pathlib import Path
 import numpy as np
 
 from ..config import IntakeConfig
+from .remote import SHARD_SUFFIXES, fetch_all, is_remote
 from .splits import gcd_split
 from .tar import SampleKeys, ShardIndex, index_rows, make_shards_index, member_bytes
 
 INDEX_VERSION = 1
 DEFAULT_IMAGE_KEYS = "jpg;jpeg;png;webp"
 DEFAULT_INDEX_CACHE = "~/.cache/infosieve/index"
-SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # a folder's compressed shards are listed too, to be reported
+DEFAULT_DOWNLOAD_CACHE = "~/.cache/infosieve/shards"
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"(\d+)\.\.(\d+)")
 
@@ -67,20 +68,18 @@ def is_manifest_folder(spec) -> bool:
     return isinstance(spec, (str, Path)) and (Path(spec) / "manifest.json").is_file()
 
 
-def shard_paths(spec: str | Path | list) -> list[str]:
-    """The shard files `data.shards` names: a folder (its tars, sorted), a brace pattern, a glob, a file, or a list of
-    any of these (concatenated in order)."""
+def shard_paths(spec: str | Path | list, download_cache: str = DEFAULT_DOWNLOAD_CACHE) -> list[str]:
+    """The shard files `data.shards` names: a folder (its tars, sorted), a brace pattern, a glob, a file, `pipe:` or
+    `http(s)://` shards (brace patterns too; fetched once into `download_cache`, data/remote.py), or a list of any of
+    these (concatenated in order)."""
     if isinstance(spec, (list, tuple)):
-        paths = [p for item in spec for p in shard_paths(item)]
+        paths = [p for item in spec for p in shard_paths(item, download_cache)]
         if not paths:
             raise FileNotFoundError("data.shards is an empty list: name at least one shard")
         return paths
     text = str(spec)
-    if text.startswith(("pipe:", "http://", "https://")):
-        raise FileNotFoundError(
-            f"data.shards {text!r}: pipe: and http(s):// shards are not read directly; download them into a local "
-            "folder and set data.shards to it"
-        )
+    if is_remote(text):
+        return fetch_all(expand_braces(text), download_cache)
     path = Path(text).expanduser()
     if path.is_dir():
         found = sorted(str(p) for p in path.iterdir() if p.name.endswith(SHARD_SUFFIXES) and p.is_file())
@@ -194,7 +193,7 @@ def split_classes(labels: np.ndarray, keys: ForeignKeys, known: list | None) -> 
 
 def open_foreign(spec, opts: IntakeConfig, processes: int | None = None) -> ForeignSet:
     """Index (or reuse the saved index of) the foreign shards `spec` names and compute their GCD split."""
-    urls = shard_paths(spec)
+    urls = shard_paths(spec, opts.download_cache)
     keys = foreign_keys(opts)
     arrays, problems, reused = cached_index(
         urls, {"kind": "foreign", "keys": repr(keys)}, lambda: _build_rows(urls, keys, processes), opts.index_cache
