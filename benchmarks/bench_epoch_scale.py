@@ -1,8 +1,8 @@
 """An ImageNet-1k epoch projected from a measured window: synthetic JPEG shards streamed through the real trainer.
 
-    python benchmarks/bench_epoch_scale.py --device cuda --kmeans-json RESULTS/card-kmeans-imagenet1k.json \
+    python -m benchmarks.bench_epoch_scale --device cuda --kmeans-json RESULTS/card-kmeans-imagenet1k.json \
         --json RESULTS/card-epoch-imagenet1k.json                    # ViT-B/16, 32,768 images, 512 steps (GPU check)
-    python benchmarks/bench_epoch_scale.py --device cpu --n 96 --size 64 --crop 32 --batch 16 --steps 8 \
+    python -m benchmarks.bench_epoch_scale --device cpu --n 96 --size 64 --crop 32 --batch 16 --steps 8 \
         --backbone resnet10t --workers 1                             # a CPU smoke run (tests/test_bench_epoch_scale.py)
 
 What runs, with configs/imagenet1k.yaml (ViT-B/16 from random weights: the speed is the same), streamed from shards
@@ -39,19 +39,30 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import smoke  # noqa: E402
-from benchmarks.pooled_shards import KIND, write_pooled_shards  # noqa: E402
-from benchmarks.provenance import device_name, emit_json, stamp  # noqa: E402
-from infosieve_fast.config import load_config  # noqa: E402
-from infosieve_fast.data.stream import ShardSource  # noqa: E402
-from infosieve_fast.engine import LossMonitor, Trainer  # noqa: E402
+from benchmarks import smoke
+from benchmarks.harness import sync, throughput, timed
+from benchmarks.pooled_shards import KIND, write_pooled_shards
+from benchmarks.provenance import device_name, emit_json, stamp
+from infosieve_fast.config import load_config
+from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.engine import LossMonitor, Trainer
 
 IMAGENET1K_TRAIN = 1_281_167
 # smoke size (INFOSIEVE_BENCH_SMOKE=1, the CPU rehearsal of gpu_check.sh): a ViT-Ti/16 on 32 px crops, seconds on a CPU
-SMOKE = dict(device="cpu", n=96, classes=8, size=64, crop=32, batch=16, feature_batch=32, steps=8, warmup=2,
-             loader_batches=4, workers=1, backbone="vit_tiny_patch16_224")  # fmt: skip
+SMOKE = dict(
+    device="cpu",
+    n=96,
+    classes=8,
+    size=64,
+    crop=32,
+    batch=16,
+    feature_batch=32,
+    steps=8,
+    warmup=2,
+    loader_batches=4,
+    workers=1,
+    backbone="vit_tiny_patch16_224",
+)
 SMOKE_SETS = ("model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64", "kmeans.n_init=1")
 
 
@@ -66,9 +77,18 @@ class GpuUtilisation:
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", f"--id={index}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                 "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            )  # fmt: skip
+                [
+                    "nvidia-smi",
+                    f"--id={index}",
+                    "--query-gpu=utilization.gpu",
+                    "--format=csv,noheader,nounits",
+                    "-lms",
+                    "200",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         except OSError:
             return
         threading.Thread(target=self._read, daemon=True).start()
@@ -86,49 +106,46 @@ class GpuUtilisation:
             self._proc.wait()
         if not self.samples:
             return {"mean": None, "median": None, "samples": 0}
-        return {"mean": round(statistics.mean(self.samples), 1), "median": statistics.median(self.samples),
-                "samples": len(self.samples)}  # fmt: skip
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        return {
+            "mean": round(statistics.mean(self.samples), 1),
+            "median": statistics.median(self.samples),
+            "samples": len(self.samples),
+        }
 
 
 def build_trainer(args, shards: Path) -> Trainer:
     overrides = [
-        f"data.shards={shards}", f"data.batch_size={args.batch}", f"data.feature_batch_size={args.feature_batch}",
-        "data.cache=off", f"data.decode={args.decode}", f"data.num_workers={args.workers}",
-        f"data.crop_size={args.crop}", f"train.device={args.device}", "model.pretrained=null",
-        f"model.backbone={args.backbone}", f"train.seed={args.seed}",
-    ]  # fmt: skip
+        f"data.shards={shards}",
+        f"data.batch_size={args.batch}",
+        f"data.feature_batch_size={args.feature_batch}",
+        "data.cache=off",
+        f"data.decode={args.decode}",
+        f"data.num_workers={args.workers}",
+        f"data.crop_size={args.crop}",
+        f"train.device={args.device}",
+        "model.pretrained=null",
+        f"model.backbone={args.backbone}",
+        f"train.seed={args.seed}",
+    ]
     if args.backbone.startswith("vit") and args.crop != 224:
         overrides.append(f"model.backbone_kwargs={{img_size: {args.crop}}}")
     return Trainer(load_config("configs/imagenet1k.yaml", overrides + list(args.set)))
 
 
 def loader_rate(source, batch_size: int, batches: int) -> dict:
-    dev = source.device
     it = source.train_batches(batch_size, epoch=100, seed=0)
     next(it)  # workers started, first batch in
-    _sync(dev)
-    t0, n = time.perf_counter(), 0
-    for _, batch in zip(range(batches), it, strict=False):
-        n += len(batch.uq)
-    _sync(dev)
-    seconds = time.perf_counter() - t0
-    return {"images": n, "seconds": round(seconds, 3), "images_per_s": round(n / seconds, 1)}
+    n = 0
+    with timed(source.device) as clock:
+        for _, batch in zip(range(batches), it, strict=False):
+            n += len(batch.uq)
+    return throughput(n, clock.seconds)
 
 
 def feature_pass(trainer: Trainer) -> tuple[dict, object]:
-    dev = trainer.device
-    _sync(dev)
-    t0 = time.perf_counter()
-    fs = trainer.extract_features("train", seed=0)
-    _sync(dev)
-    seconds = time.perf_counter() - t0
-    n = len(fs.uq)
-    return {"images": n, "seconds": round(seconds, 3), "images_per_s": round(n / seconds, 1)}, fs
+    with timed(trainer.device) as clock:
+        fs = trainer.extract_features("train", seed=0)
+    return throughput(len(fs.uq), clock.seconds), fs
 
 
 def training_window(trainer: Trainer, pseudo: torch.Tensor, steps: int, warmup: int) -> dict:
@@ -145,22 +162,26 @@ def training_window(trainer: Trainer, pseudo: torch.Tensor, steps: int, warmup: 
             if batch is None:
                 break
             if done == warmup:  # the window starts with this batch in hand
-                _sync(dev)
+                sync(dev)
                 t0, wait, util = time.perf_counter(), 0.0, GpuUtilisation(dev)
             elif done > warmup:
                 wait += time.perf_counter() - w0
             trainer.train_step(batch, pseudo, gen, monitor)
             done += 1
         epoch += 1
-    _sync(dev)
+    sync(dev)
     seconds = time.perf_counter() - t0
     monitor.check()
     return {
-        "steps": steps, "warmup_steps": warmup, "seconds": round(seconds, 3),
-        "ms_per_step": round(1000 * seconds / steps, 2), "images_per_s": round(steps * bs / seconds, 1),
-        "loader_wait_fraction": round(wait / seconds, 4), "gpu_utilisation_percent": util.stop(),
+        "steps": steps,
+        "warmup_steps": warmup,
+        "seconds": round(seconds, 3),
+        "ms_per_step": round(1000 * seconds / steps, 2),
+        "images_per_s": round(steps * bs / seconds, 1),
+        "loader_wait_fraction": round(wait / seconds, 4),
+        "gpu_utilisation_percent": util.stop(),
         "epochs_spanned": epoch,
-    }  # fmt: skip
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,9 +210,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     result = {
-        **stamp(), "benchmark": "bench_epoch_scale", "command": " ".join([sys.executable, *sys.argv]),
-        "settings": {k: v for k, v in vars(args).items() if k != "json"}, "complete": False, "phases_done": [],
-    }  # fmt: skip
+        **stamp(),
+        "benchmark": "bench_epoch_scale",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "complete": False,
+        "phases_done": [],
+    }
 
     def phase_done(name: str, **measured) -> None:  # a run cut short keeps every phase it finished
         result.update(measured)
@@ -199,8 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
         emit_json(result, args.json, echo=False)
 
     shards = Path(args.shards_dir or f"/tmp/infosieve-bench-epoch/{KIND}-n{args.n}-s{args.size}")
-    phase_done("shards", data=write_pooled_shards(shards, n=args.n, n_classes=args.classes, size=args.size,
-                                                  workers=os.cpu_count() or 2))  # fmt: skip
+    phase_done(
+        "shards",
+        data=write_pooled_shards(shards, n=args.n, n_classes=args.classes, size=args.size, workers=os.cpu_count() or 2),
+    )
     trainer = build_trainer(args, shards)
     result.update(device=device_name(trainer.device), decode_on_gpu=trainer.source.gpu_decode)
     phase_done("loader", loader=loader_rate(trainer.source, args.batch, args.loader_batches))
@@ -222,18 +249,20 @@ def main(argv: list[str] | None = None) -> dict:
     projection = project(features, window, args.batch, args.kmeans_json)
     loader = result["loader"]
     result.update(
-        complete=True, projection=projection,
+        complete=True,
+        projection=projection,
         summary={
             "projected_epoch_minutes": projection["epoch_minutes"],
             "projection_includes_kmeans": projection["kmeans_s"] is not None,
-            "ms_per_step": window["ms_per_step"], "train_images_per_s": window["images_per_s"],
+            "ms_per_step": window["ms_per_step"],
+            "train_images_per_s": window["images_per_s"],
             "loader_images_per_s": loader["images_per_s"],
             "loader_vs_train": round(loader["images_per_s"] / window["images_per_s"], 2),
             "loader_wait_fraction": window["loader_wait_fraction"],
             "gpu_utilisation_mean_percent": window["gpu_utilisation_percent"]["mean"],
             "feature_images_per_s": features["images_per_s"],
         },
-    )  # fmt: skip
+    )
     emit_json(result, args.json)
     return result
 
@@ -247,10 +276,14 @@ def project(features: dict, window: dict, batch: int, kmeans_json: str | None) -
         kmeans_seconds, kmeans_source = run["seconds"], f"{kmeans_json} ({run['distance_precision']})"
     n = IMAGENET1K_TRAIN
     projection = {
-        "n_train": n, "batch": batch, "feature_pass_s": round(n / features["images_per_s"], 1),
-        "steps": n // batch, "steps_s": round(n // batch * window["ms_per_step"] / 1000, 1),
-        "kmeans_s": kmeans_seconds, "kmeans_source": kmeans_source,
-    }  # fmt: skip
+        "n_train": n,
+        "batch": batch,
+        "feature_pass_s": round(n / features["images_per_s"], 1),
+        "steps": n // batch,
+        "steps_s": round(n // batch * window["ms_per_step"] / 1000, 1),
+        "kmeans_s": kmeans_seconds,
+        "kmeans_source": kmeans_source,
+    }
     total = projection["feature_pass_s"] + projection["steps_s"] + (kmeans_seconds or 0.0)
     return {**projection, "epoch_minutes": round(total / 60, 2)}
 

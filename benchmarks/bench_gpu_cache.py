@@ -1,7 +1,7 @@
 """A Herbarium19-size split served from the decoded GPU cache: after the first epoch, no decoding at all.
 
-    python benchmarks/bench_gpu_cache.py --device cuda --json RESULTS/gpu-cache-herbarium19.json   # GPU check
-    python benchmarks/bench_gpu_cache.py --device cpu --n 200 --size 64       # CPU smoke run: the cache in RAM
+    python -m benchmarks.bench_gpu_cache --device cuda --json RESULTS/gpu-cache-herbarium19.json   # GPU check
+    python -m benchmarks.bench_gpu_cache --device cpu --n 200 --size 64       # CPU smoke run: the cache in RAM
 
 1. shards: `--n` (34,000, about Herbarium19's 34,225 train images) synthetic JPEGs of `--classes` (683) classes at
    shorter side `--size` (256), long side 1-1.5 x, half of them portrait (`pooled_shards`: bench_scale's natural
@@ -26,50 +26,42 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import smoke  # noqa: E402
-from benchmarks.pooled_shards import write_pooled_shards  # noqa: E402
-from benchmarks.provenance import device_name, emit_json  # noqa: E402
-from infosieve_fast.config import load_config  # noqa: E402
-from infosieve_fast.data import build_source  # noqa: E402
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment  # noqa: E402
-from infosieve_fast.engine import resolve_device  # noqa: E402
+from benchmarks import smoke
+from benchmarks.harness import throughput, timed
+from benchmarks.pooled_shards import write_pooled_shards
+from benchmarks.provenance import device_name, emit_json
+from infosieve_fast.config import load_config
+from infosieve_fast.data import build_source
+from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.engine import resolve_device
 
 HERBARIUM19_N, HERBARIUM19_CLASSES = 34_000, 683
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_epoch(source, augment: DeviceAugment | None, views: int, batch_size: int, gen: torch.Generator) -> dict:
     """One pass over every sample; the seconds, the images and the decodes it took."""
     before = source.decode_counts.as_dict()
-    _sync(source.device)
-    t0, n = time.perf_counter(), 0
-    for batch in source.feature_batches(batch_size):
-        n += len(batch.uq)
-        if augment is not None:
-            augment.train_views(batch.images, views, gen, batch.sizes)
-    _sync(source.device)
-    seconds = time.perf_counter() - t0
+    n = 0
+    with timed(source.device) as clock:
+        for batch in source.feature_batches(batch_size):
+            n += len(batch.uq)
+            if augment is not None:
+                augment.train_views(batch.images, views, gen, batch.sizes)
     after = source.decode_counts.as_dict()
-    return {"seconds": round(seconds, 3), "images": n, "images_per_s": round(n / seconds, 1),
-            "decodes": {k: after[k] - before[k] for k in after}}  # fmt: skip
+    return {**throughput(n, clock.seconds), "decodes": {k: after[k] - before[k] for k in after}}
 
 
 def gpu_memory(device: torch.device) -> dict:
     if device.type != "cuda":
         return {"allocated_gib": None, "peak_allocated_gib": None}
-    return {"allocated_gib": round(torch.cuda.memory_allocated(device) / 2**30, 3),
-            "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)}  # fmt: skip
+    return {
+        "allocated_gib": round(torch.cuda.memory_allocated(device) / 2**30, 3),
+        "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,8 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode", default="auto", choices=("auto", "cpu", "gpu"))
     p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shards-dir", default=None,
-                   help="default: TMPDIR/infosieve-bench-gpu-cache/pooled-n{n}-s{size}")  # fmt: skip
+    p.add_argument("--shards-dir", default=None, help="default: TMPDIR/infosieve-bench-gpu-cache/pooled-n{n}-s{size}")
     p.add_argument("--json", default=None, help="also write the JSON here (after every epoch)")
     args = smoke.shrink(p.parse_args(argv), n=200, classes=4, size=64, batch=64, workers=1)
     if args.classes is None:
@@ -98,24 +89,37 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = resolve_device(args.device)
     crop = args.crop or min(224, args.size)
-    shards = Path(args.shards_dir or Path(tempfile.gettempdir()) / "infosieve-bench-gpu-cache"
-                  / f"pooled-n{args.n}-s{args.size}")  # fmt: skip
+    shards = Path(
+        args.shards_dir or Path(tempfile.gettempdir()) / "infosieve-bench-gpu-cache" / f"pooled-n{args.n}-s{args.size}"
+    )
     data = write_pooled_shards(shards, n=args.n, n_classes=args.classes, size=args.size, workers=os.cpu_count() or 2)
     cache = "gpu" if device.type == "cuda" else "cpu"
-    cfg = load_config(None, [
-        f"data.shards={shards}", f"data.cache={cache}", f"data.decode={args.decode}",
-        f"data.num_workers={args.workers}", f"train.device={device}", f"train.seed={args.seed}",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"data.shards={shards}",
+            f"data.cache={cache}",
+            f"data.decode={args.decode}",
+            f"data.num_workers={args.workers}",
+            f"train.device={device}",
+            f"train.seed={args.seed}",
+        ],
+    )
     source = build_source(cfg.data, cfg.train, device)
     if device.type != "cuda":
         print("bench_gpu_cache: no GPU: the decoded cache is kept in RAM (data.cache=cpu)", file=sys.stderr)
     augment = DeviceAugment(AugmentConfig(crop_size=crop)) if args.views else None
     gen = torch.Generator(device=device).manual_seed(args.seed)
     result = {
-        "benchmark": "bench_gpu_cache", "device": device_name(device), "command": " ".join([sys.executable, *sys.argv]),
+        "benchmark": "bench_gpu_cache",
+        "device": device_name(device),
+        "command": " ".join([sys.executable, *sys.argv]),
         "cache": cache if device.type == "cuda" else "cpu (no GPU: the decoded split is kept in RAM)",
-        "decode_on_gpu": source.gpu_decode, "settings": {**vars(args), "crop": crop}, "data": data, "epochs": [],
-    }  # fmt: skip
+        "decode_on_gpu": source.gpu_decode,
+        "settings": {**vars(args), "crop": crop},
+        "data": data,
+        "epochs": [],
+    }
     for epoch in range(args.epochs):
         result["epochs"].append({"epoch": epoch, **run_epoch(source, augment, args.views, args.batch, gen)})
         result["cache_bytes"] = source.cache_bytes()
@@ -131,12 +135,13 @@ def main(argv: list[str] | None = None) -> dict:
 def summarise(epochs: list[dict], n_train: int, unreadable: list[int]) -> dict:
     later = epochs[1:]
     return {
-        "n_train": n_train, "unreadable": len(unreadable),
+        "n_train": n_train,
+        "unreadable": len(unreadable),
         "first_epoch_decodes": epochs[0]["decodes"],
         "later_epochs_decode_nothing": bool(later) and all(not any(e["decodes"].values()) for e in later),
         "first_epoch_images_per_s": epochs[0]["images_per_s"],
         "later_epochs_images_per_s": [e["images_per_s"] for e in later],
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ directly), `eager` (`kernels.reference`), `compiled` (`torch.compile(reference)`
 "unavailable: ...", never a crash. A time budget (`--budget-s`, default 210 s on CUDA) keeps the whole run short:
 cases left when it is spent are "skipped: time budget spent".
 
-    python benchmarks/bench_kernels.py --device cuda --json benchmarks/results/nvidia-h200-kernels.json
-    python benchmarks/bench_kernels.py --device cpu --quick --json /tmp/kernels-cpu.json
+    python -m benchmarks.bench_kernels --device cuda --json benchmarks/results/nvidia-h200-kernels.json
+    python -m benchmarks.bench_kernels --device cpu --quick --json /tmp/kernels-cpu.json
 """
 
 from __future__ import annotations
@@ -28,17 +28,15 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import infosieve_kernels as kernels  # noqa: E402
-from benchmarks import smoke  # noqa: E402
-from benchmarks.provenance import emit_json  # noqa: E402
-from infosieve_fast.precision import set_cuda_matmul_tf32  # noqa: E402
-from infosieve_kernels import reference  # noqa: E402
+import infosieve_kernels as kernels
+from benchmarks import smoke
+from benchmarks.harness import sync
+from benchmarks.provenance import emit_json
+from infosieve_fast.precision import set_cuda_matmul_tf32
+from infosieve_kernels import reference
 
 L = 40
 CODE_N = [256, 1024, 4096, 16384, 65536, 1 << 20]
@@ -70,19 +68,14 @@ def fused_status(module: str) -> str | None:
     return None
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(step, device: torch.device, budget: Budget, reps: int, min_time_s: float) -> dict:
     """Warm up (compiles happen here), then time `step` (forward+backward) and take its peak memory."""
     t0 = time.perf_counter()
     step()
-    synchronize(device)
+    sync(device)
     first_s = time.perf_counter() - t0
     step()  # a second warm-up: autotuners and allocator settle
-    synchronize(device)
+    sync(device)
     times = []
     if device.type == "cuda":
         for _ in range(reps):

@@ -7,8 +7,8 @@ restarts are independent and cost the same each, so the 10-restart time is that 
 records both) and our engine is also run with the same restarts, which share the RNG stream with the reference, for an
 equal-restarts inertia comparison.
 
-    python benchmarks/bench_kmeans.py --json benchmarks/results/kmeans_cpu.json
-    python benchmarks/bench_kmeans.py --device cuda --ref-inits 0,0 --json benchmarks/results/kmeans_h100.json
+    python -m benchmarks.bench_kmeans --json benchmarks/results/kmeans_cpu.json
+    python -m benchmarks.bench_kmeans --device cuda --ref-inits 0,0 --json benchmarks/results/kmeans_h100.json
 
 ``--scale imagenet1k`` (1,281,167 x 768, K = 1000) / ``--scale cpu200k`` (200,000 x 768, K = 1000): one pseudo-label
 round at scale, no baseline. Synthetic features of that size are generated in place on the device (fp16 by default),
@@ -17,7 +17,7 @@ then one ``semi_supervised_kmeans`` call (balanced, ``balance="reference"``, n_i
 ``torch.cuda.max_memory_allocated()`` minus the features' bytes; CPU: growth of the peak RSS). Runs after the first
 record whether their labels equal the first run's. Other scripts call :func:`time_round`.
 
-    python benchmarks/bench_kmeans.py --device cuda --scale imagenet1k --distance-precision fp32,tf32,bf16 \
+    python -m benchmarks.bench_kmeans --device cuda --scale imagenet1k --distance-precision fp32,tf32,bf16 \
         --json benchmarks/results/kmeans_imagenet1k.json
 
 Works without FAISS (the torch backend is used, ``"backend"`` in the JSON says which ran).
@@ -35,12 +35,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import smoke  # noqa: E402
-from benchmarks.provenance import device_name, emit_json, git_state  # noqa: E402
-from benchmarks.published.kmeans import ReferenceSSKMeans, sqdist  # noqa: E402
-from infosieve_fast.kmeans import faiss_available, semi_supervised_kmeans  # noqa: E402
+from benchmarks import smoke
+from benchmarks.harness import sync, timed
+from benchmarks.provenance import device_name, emit_json, git_state
+from benchmarks.published.kmeans import ReferenceSSKMeans, sqdist
+from infosieve_fast.kmeans import faiss_available, semi_supervised_kmeans
 
 CASES = {"a": (6000, 768, 200), "b": (127000, 768, 100)}
 SCALES = {"imagenet1k": (1_281_167, 768, 1000), "cpu200k": (200_000, 768, 1000)}
@@ -79,8 +78,20 @@ def _proc_status_kib(key):
     return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
 
 
-def run_round(u, l, t, k, *, n_init=10, max_iter=10, balanced=True, balance="reference", distance_precision="fp32",
-              backend="auto", seed=0):  # fmt: skip
+def run_round(
+    u,
+    l,
+    t,
+    k,
+    *,
+    n_init=10,
+    max_iter=10,
+    balanced=True,
+    balance="reference",
+    distance_precision="fp32",
+    backend="auto",
+    seed=0,
+):
     """One timed ``semi_supervised_kmeans`` call -> (record, labels). Peak memory beyond the features: on CUDA
     ``torch.cuda.max_memory_allocated()`` minus the features' bytes; on the CPU (Linux) the growth of the peak RSS
     over the RSS before the call (the peak is reset first through /proc/self/clear_refs)."""
@@ -93,9 +104,20 @@ def run_round(u, l, t, k, *, n_init=10, max_iter=10, balanced=True, balance="ref
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
         rss_before = _proc_status_kib("VmRSS")
     t0 = time.perf_counter()
-    res = semi_supervised_kmeans(u, l, t, k, n_init=n_init, max_iter=max_iter, balanced=balanced, balance=balance,
-                                 distance_precision=distance_precision, backend=backend, seed=seed)  # fmt: skip
-    _sync(dev)
+    res = semi_supervised_kmeans(
+        u,
+        l,
+        t,
+        k,
+        n_init=n_init,
+        max_iter=max_iter,
+        balanced=balanced,
+        balance=balance,
+        distance_precision=distance_precision,
+        backend=backend,
+        seed=seed,
+    )
+    sync(dev)
     seconds = time.perf_counter() - t0
     if dev.type == "cuda":
         beyond = torch.cuda.max_memory_allocated(dev) - feature_bytes
@@ -104,14 +126,28 @@ def run_round(u, l, t, k, *, n_init=10, max_iter=10, balanced=True, balance="ref
         beyond = (_proc_status_kib("VmHWM") - rss_before) * 1024
         how = "peak RSS (VmHWM, reset before the call) - RSS before the call"
     record = {
-        "n_unlabelled": u.shape[0], "n_labelled": l.shape[0], "d": u.shape[1], "k": k,
-        "feature_dtype": str(u.dtype).removeprefix("torch."), "feature_bytes": feature_bytes,
-        "n_init": n_init, "max_iter": max_iter, "balanced": balanced, "balance": balance,
-        "distance_precision": distance_precision, "backend": res.backend, "seconds": seconds,
-        "peak_bytes_beyond_features": beyond, "peak_gib_beyond_features": beyond / 2**30, "memory_measure": how,
-        "inertia": res.inertia, "n_iter": res.n_iter, "searched_rows": res.searched_rows,
-        "rechecked_rows": res.rechecked_rows, "max_cluster_size": int(torch.bincount(res.labels, minlength=k).max()),
-    }  # fmt: skip
+        "n_unlabelled": u.shape[0],
+        "n_labelled": l.shape[0],
+        "d": u.shape[1],
+        "k": k,
+        "feature_dtype": str(u.dtype).removeprefix("torch."),
+        "feature_bytes": feature_bytes,
+        "n_init": n_init,
+        "max_iter": max_iter,
+        "balanced": balanced,
+        "balance": balance,
+        "distance_precision": distance_precision,
+        "backend": res.backend,
+        "seconds": seconds,
+        "peak_bytes_beyond_features": beyond,
+        "peak_gib_beyond_features": beyond / 2**30,
+        "memory_measure": how,
+        "inertia": res.inertia,
+        "n_iter": res.n_iter,
+        "searched_rows": res.searched_rows,
+        "rechecked_rows": res.rechecked_rows,
+        "max_cluster_size": int(torch.bincount(res.labels, minlength=k).max()),
+    }
     return record, res.labels
 
 
@@ -122,8 +158,21 @@ def _warm_up(device, **kw):
         run_round(u, l, t, 20, n_init=2, max_iter=2, **kw)
 
 
-def time_round(n, d, k, device, *, dtype=torch.float16, n_init=10, max_iter=10, balanced=True, balance="reference",
-               distance_precision="fp32", backend="auto", seed=0) -> dict:  # fmt: skip
+def time_round(
+    n,
+    d,
+    k,
+    device,
+    *,
+    dtype=torch.float16,
+    n_init=10,
+    max_iter=10,
+    balanced=True,
+    balance="reference",
+    distance_precision="fp32",
+    backend="auto",
+    seed=0,
+) -> dict:
     """Seconds and peak memory of one pseudo-label round on ``n`` x ``d`` synthetic features (``scale_features``,
     stored in ``dtype`` on ``device``) with ``k`` clusters: a JSON-ready dict (see ``run_round``), plus the device,
     commit and thread count. E.g. ``time_round(200_000, 768, 1000, "cpu")``."""
@@ -132,8 +181,15 @@ def time_round(n, d, k, device, *, dtype=torch.float16, n_init=10, max_iter=10, 
     _warm_up(device, **kw)
     record, _ = run_round(u, l, t, k, n_init=n_init, max_iter=max_iter, seed=seed, **kw)
     commit, dirty = git_state()
-    return {"n": n, **record, "device": device_name(torch.device(device)), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty}  # fmt: skip
+    return {
+        "n": n,
+        **record,
+        "device": device_name(torch.device(device)),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "commit": commit,
+        "dirty": dirty,
+    }
 
 
 def main_scale(args):
@@ -142,9 +198,19 @@ def main_scale(args):
     device = torch.device(args.device)
     u, l, t = scale_features(n, d, k, device, DTYPES[args.feature_dtype])
     commit, dirty = git_state()
-    out = {"scale": args.scale, "n": n, "commit": commit, "dirty": dirty, "device": device_name(device),
-           "torch": torch.__version__, "threads": torch.get_num_threads(), "faiss": faiss_available(),
-           "faiss_gpu": faiss_available(gpu=True), "command": " ".join(sys.argv), "runs": []}  # fmt: skip
+    out = {
+        "scale": args.scale,
+        "n": n,
+        "commit": commit,
+        "dirty": dirty,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "faiss": faiss_available(),
+        "faiss_gpu": faiss_available(gpu=True),
+        "command": " ".join(sys.argv),
+        "runs": [],
+    }
     first = None
     for prec in args.distance_precision.split(","):
         kw = {"balance": "reference", "distance_precision": prec, "backend": args.backend}
@@ -161,39 +227,46 @@ def main_scale(args):
     return out
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_ours(u, l, t, k, mode, n_init, max_iter, backend, repeat=1):
     """Best wall time of ``repeat`` identical runs (the machine may be shared)."""
     kw = {"plain": {}, "capacity": {"balanced": True}, "reference": {"balanced": True, "balance": "reference"}}[mode]
     times = []
     for _ in range(repeat):
-        _sync(u.device)
-        t0 = time.perf_counter()
-        res = semi_supervised_kmeans(u, l, t, k, n_init=n_init, max_iter=max_iter, seed=0, backend=backend, **kw)
-        _sync(u.device)
-        times.append(time.perf_counter() - t0)
+        with timed(u.device) as clock:
+            res = semi_supervised_kmeans(u, l, t, k, n_init=n_init, max_iter=max_iter, seed=0, backend=backend, **kw)
+        times.append(clock.seconds)
     dt = min(times)
     sizes = torch.bincount(res.labels, minlength=k)
-    return {"seconds": dt, "inertia": res.inertia, "n_iter": res.n_iter, "backend": res.backend,
-            "max_cluster_size": int(sizes.max())}  # fmt: skip
+    return {
+        "seconds": dt,
+        "inertia": res.inertia,
+        "n_iter": res.n_iter,
+        "backend": res.backend,
+        "max_cluster_size": int(sizes.max()),
+    }
 
 
 def run_reference(u, l, t, k, balanced, n_init, max_iter, distance="gemm"):
     cs = math.ceil((len(u) + len(l)) / k) if balanced else None
-    ref = ReferenceSSKMeans(k, n_init=n_init, max_iter=max_iter, random_state=0, cluster_size=cs,
-                            variant="infosieve" if balanced else "gcd", kpp_deletion="fixed", empty="keep",
-                            sqdist_mode=distance)  # fmt: skip
-    _sync(u.device)
-    t0 = time.perf_counter()
-    ref.fit_mix(u, l, t)
-    _sync(u.device)
-    dt = time.perf_counter() - t0
-    return {"seconds_measured": dt, "n_init_measured": n_init, "inertia": ref.inertia_,
-            "max_cluster_size": int(torch.bincount(ref.labels_, minlength=k).max())}  # fmt: skip
+    ref = ReferenceSSKMeans(
+        k,
+        n_init=n_init,
+        max_iter=max_iter,
+        random_state=0,
+        cluster_size=cs,
+        variant="infosieve" if balanced else "gcd",
+        kpp_deletion="fixed",
+        empty="keep",
+        sqdist_mode=distance,
+    )
+    with timed(u.device) as clock:
+        ref.fit_mix(u, l, t)
+    return {
+        "seconds_measured": clock.seconds,
+        "n_init_measured": n_init,
+        "inertia": ref.inertia_,
+        "max_cluster_size": int(torch.bincount(ref.labels_, minlength=k).max()),
+    }
 
 
 def sqdist_chunk_ratio(d, k, device):
@@ -244,17 +317,26 @@ def main(argv=None):
     modes = args.modes.split(",")
     commit, dirty = git_state()
     out = {
-        "commit": commit, "dirty": dirty, "device": device_name(device),
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "faiss": faiss_available(),
-        "n_init": args.n_init, "max_iter": args.max_iter, "repeat": args.repeat, "command": " ".join(sys.argv),
+        "commit": commit,
+        "dirty": dirty,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "faiss": faiss_available(),
+        "n_init": args.n_init,
+        "max_iter": args.max_iter,
+        "repeat": args.repeat,
+        "command": " ".join(sys.argv),
         "ref_distance": args.ref_distance,
         "cases": {},
-        "notes": ("reference = benchmarks/published/kmeans.py (loop-based transcription of REFERENCE.md 5.1/5.2) with "
-                  "the chunk distance named by ref_distance: 'gemm' is faster than the published broadcast (a-b)^2 "
-                  "form (see sqdist_chunk_seconds), so its speed-ups are conservative; 'broadcast' is as published. "
-                  "Reference 'balanced' = InfoSieve's two-phase variant, compared with our balance='reference' "
-                  "(same algorithm) and 'capacity'."),
-    }  # fmt: skip
+        "notes": (
+            "reference = benchmarks/published/kmeans.py (loop-based transcription of REFERENCE.md 5.1/5.2) with "
+            "the chunk distance named by ref_distance: 'gemm' is faster than the published broadcast (a-b)^2 "
+            "form (see sqdist_chunk_seconds), so its speed-ups are conservative; 'broadcast' is as published. "
+            "Reference 'balanced' = InfoSieve's two-phase variant, compared with our balance='reference' "
+            "(same algorithm) and 'capacity'."
+        ),
+    }
     if device.type == "cuda":  # warm up kernels and the allocator
         u, l, t = make_features(2000, 64, 20, device)
         semi_supervised_kmeans(u, l, t, 20, n_init=2, backend=args.backend)

@@ -1,6 +1,6 @@
 """Two-view training batches per second: the reference's loader against shards (streaming and in memory).
 
-    python benchmarks/bench_loader.py --data ../shared/realdata/cub100 --json OUT.json
+    python -m benchmarks.bench_loader --data ../shared/realdata/cub100 --json OUT.json
 
 A *view* is one augmented 224x224 image delivered as part of a normalised float32 batch, as the trainer consumes it.
 - reference: an ImageFolder-style dataset over the JPEG files; per view PIL `Resize(256)` (bicubic) / `RandomCrop(224)`
@@ -40,15 +40,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import smoke  # noqa: E402
-from benchmarks.cub_subset import write_cub_subset  # noqa: E402
-from benchmarks.provenance import emit_json  # noqa: E402
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment  # noqa: E402
-from infosieve_fast.data.layouts import read_dataset  # noqa: E402
-from infosieve_fast.data.shards import make_shards  # noqa: E402
-from infosieve_fast.data.stream import ShardSource  # noqa: E402
+from benchmarks import smoke
+from benchmarks.cub_subset import write_cub_subset
+from benchmarks.provenance import emit_json
+from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.layouts import read_dataset
+from infosieve_fast.data.shards import make_shards
+from infosieve_fast.data.stream import ShardSource
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -194,7 +192,7 @@ def main() -> None:
         "memory_vs_reference_stacked": round(memory / ref_stacked, 2),
         "targets": {"stream_vs_reference": 3.0, "memory_vs_reference": 10.0},
         "unit": "views/s (one view = one augmented 224x224 normalised float32 image; 2 views per image)",
-        "command": " ".join(["python", "benchmarks/bench_loader.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "-m", "benchmarks.bench_loader", *sys.argv[1:]]),
         "statistic": f"median over {args.repeats} interleaved rounds (see rounds)",
         "rounds": rounds,
         "make_shards_s": round(make_s, 1),

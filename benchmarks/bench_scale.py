@@ -1,8 +1,8 @@
 """Scale rehearsal on the CPU: ~100k synthetic samples through the streaming data path, decode+augment per core,
 and one 200k x 768, K = 1,000 SS-k-means round.
 
-    python benchmarks/bench_scale.py --out benchmarks/results/scale_cpu.json          # full size
-    python benchmarks/bench_scale.py --n 2000 --decode-n 64 --kmeans-n 4000 --kmeans-k 40 --kmeans-dim 32  # tiny
+    python -m benchmarks.bench_scale --out benchmarks/results/scale_cpu.json          # full size
+    python -m benchmarks.bench_scale --n 2000 --decode-n 64 --kmeans-n 4000 --kmeans-k 40 --kmeans-dim 32  # tiny
 
 1. Shards (cached under `--shards-dir`, reused when complete; `make_shards` verifies every shard's sha256 and the
    counts are checked again): `--n` synthetic images of `--classes` classes, stored shorter side `--size` (64) as
@@ -58,18 +58,15 @@ import time
 import traceback
 from pathlib import Path
 from queue import Empty
-from unittest import mock
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import smoke  # noqa: E402
-from benchmarks.provenance import device_name, emit_json, stamp  # noqa: E402
-from infosieve_fast.data import shards as shards_mod  # noqa: E402
-from infosieve_fast.data.layouts import RawDataset  # noqa: E402
-from infosieve_fast.data.sampler import reference_labelled_share  # noqa: E402
+from benchmarks import smoke
+from benchmarks.provenance import device_name, emit_json, stamp
+from infosieve_fast.data import shards as shards_mod
+from infosieve_fast.data.layouts import RawDataset
+from infosieve_fast.data.sampler import reference_labelled_share
 
 GENERATOR_VERSION = 1  # bump when the synthetic images change: the cache folders are named by it
 SHARE_TOLERANCE = 0.01
@@ -164,11 +161,21 @@ def _signature(kind: str, n: int, n_classes: int, size: int, seed: int) -> str:
     return f"bench_scale synthetic v{GENERATOR_VERSION}: kind={kind} n={n} classes={n_classes} size={size} seed={seed}"
 
 
-def write_synthetic_shards(out: Path, *, kind: str, n: int, n_classes: int, size: int, seed: int,
-                           shard_size_mb: float, workers: int) -> dict:  # fmt: skip
-    """Write (or verify and reuse) `n` synthetic images as make-shards output in `out`. make_shards reads datasets
-    from disk only, so its reader is replaced by one returning the synthetic `RawDataset` for this call; everything
-    else (split, write order, tar format, manifest, resume, sha256 verification of a complete folder) is its own."""
+def write_synthetic_shards(
+    out: Path,
+    *,
+    kind: str,
+    n: int,
+    n_classes: int,
+    size: int,
+    seed: int,
+    shard_size_mb: float,
+    workers: int,
+    image: type = SyntheticImage,
+) -> dict:
+    """Write (or verify and reuse) `n` synthetic images (`image` objects, generated in make-shards' encoding workers)
+    as make-shards output in `out`. make_shards takes the synthetic `RawDataset` in place of a folder; everything else
+    (split, write order, tar format, manifest, resume, sha256 verification of a complete folder) is its own."""
     sig = _signature(kind, n, n_classes, size, seed)
     manifest_path = out / shards_mod.MANIFEST
     reused = manifest_path.is_file()
@@ -176,16 +183,21 @@ def write_synthetic_shards(out: Path, *, kind: str, n: int, n_classes: int, size
         raise RuntimeError(f"{out} holds other shards than '{sig}': delete it or choose another --shards-dir")
     labels = np.arange(n, dtype=np.int64) % n_classes
     raw = RawDataset(
-        DATASET, out, [f"synthetic{c:04d}" for c in range(n_classes)], list(range(n_classes // 2)),
+        DATASET,
+        out,
+        [f"synthetic{c:04d}" for c in range(n_classes)],
+        list(range(n_classes // 2)),
         list(range(n_classes // 2, n_classes)),
-        [SyntheticImage(kind, i, int(labels[i]), size, seed, n_classes) for i in range(n)], labels,
-        [f"synthetic[{i}]" for i in range(n)], notes=[sig],
-    )  # fmt: skip
+        [image(kind, i, int(labels[i]), size, seed, n_classes) for i in range(n)],
+        labels,
+        [f"synthetic[{i}]" for i in range(n)],
+        notes=[sig],
+    )
     t0 = time.perf_counter()
-    with mock.patch.object(shards_mod, "read_dataset", lambda *a, **k: raw):
-        # workers >= 2: the encoding runs in a process pool, so no generated pixels stay in this process
-        manifest = shards_mod.make_shards(DATASET, out, out, shard_size_mb=shard_size_mb, resize=size,
-                                          workers=max(2, workers), progress=False)  # fmt: skip
+    # workers >= 2: the encoding runs in a process pool, so no generated pixels stay in this process
+    manifest = shards_mod.make_shards(
+        DATASET, raw, out, shard_size_mb=shard_size_mb, resize=size, workers=max(2, workers), progress=False
+    )
     seconds = time.perf_counter() - t0
     c = manifest["counts"]
     want_labelled = int(0.5 * int(np.sum(labels < n_classes // 2)))
@@ -198,11 +210,19 @@ def write_synthetic_shards(out: Path, *, kind: str, n: int, n_classes: int, size
         raise RuntimeError(f"{out}: the shards do not hold what was asked: {problems or manifest['classes']}")
     recs = manifest["splits"]["train"]["shards"]
     return {
-        "dir": str(out), "reused": reused, "seconds": round(seconds, 1), "n_train": n, "n_labelled": c["labelled"],
-        "n_old": manifest["n_old"], "n_classes": n_classes, "stored_side": size, "n_shards": len(recs),
-        "mb": round(sum(r["bytes"] for r in recs) / 2**20, 1), "mean_kb_per_image": round(
-            sum(r["bytes"] for r in recs) / n / 1024, 1), "image": manifest["image"],
-    }  # fmt: skip
+        "dir": str(out),
+        "reused": reused,
+        "seconds": round(seconds, 1),
+        "n_train": n,
+        "n_labelled": c["labelled"],
+        "n_old": manifest["n_old"],
+        "n_classes": n_classes,
+        "stored_side": size,
+        "n_shards": len(recs),
+        "mb": round(sum(r["bytes"] for r in recs) / 2**20, 1),
+        "mean_kb_per_image": round(sum(r["bytes"] for r in recs) / n / 1024, 1),
+        "image": manifest["image"],
+    }
 
 
 # ---- resident memory of the process tree ------------------------------------------------------------------------
@@ -302,9 +322,14 @@ class TreeMemory:
             v = arr[:, col][~np.isnan(arr[:, col])]
             return round(float(v.max()), 1) if len(v) else None
 
-        return {"rss_mb": top(1), "pss_mb": top(3), "anon_mb": top(2),
-                "processes": int(arr[:, 4].max()) if len(arr) else None, "samples": len(arr),
-                "pss_samples": int((~np.isnan(arr[:, 3])).sum())}  # fmt: skip
+        return {
+            "rss_mb": top(1),
+            "pss_mb": top(3),
+            "anon_mb": top(2),
+            "processes": int(arr[:, 4].max()) if len(arr) else None,
+            "samples": len(arr),
+            "pss_samples": int((~np.isnan(arr[:, 3])).sum()),
+        }
 
 
 # ---- the streaming rehearsal ------------------------------------------------------------------------------------
@@ -330,8 +355,13 @@ def _collect(batches, colours: torch.Tensor) -> dict:
         pred.append(_nearest_colour(b.images, getattr(b, "sizes", None), colours))
         sizes.append(len(b.uq))
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
-    return {"uq": cat(uq, np.int64), "labelled": cat(lab, bool), "targets": cat(tgt, np.int32),
-            "pred": cat(pred, np.int32), "batch_sizes": np.asarray(sizes, np.int64)}  # fmt: skip
+    return {
+        "uq": cat(uq, np.int64),
+        "labelled": cat(lab, bool),
+        "targets": cat(tgt, np.int32),
+        "pred": cat(pred, np.int32),
+        "batch_sizes": np.asarray(sizes, np.int64),
+    }
 
 
 def rank_main(rank: int, cfg: dict, barrier, queue) -> None:
@@ -350,8 +380,14 @@ def rank_main(rank: int, cfg: dict, barrier, queue) -> None:
         mp.set_start_method(cfg["start_method"], force=True)
         torch.set_num_threads(1)
         colours = torch.from_numpy(palette(cfg["n_classes"], cfg["seed"]))
-        src = ShardSource(cfg["shards"], memory_threshold_mb=0, rank=rank, world_size=cfg["world"],
-                          num_workers=cfg["workers"], seed=cfg["seed"])  # fmt: skip
+        src = ShardSource(
+            cfg["shards"],
+            memory_threshold_mb=0,
+            rank=rank,
+            world_size=cfg["world"],
+            num_workers=cfg["workers"],
+            seed=cfg["seed"],
+        )
         for epoch in range(cfg["epochs"]):
             barrier.wait(timeout=600)
             t0 = time.monotonic()
@@ -375,8 +411,19 @@ def rank_main(rank: int, cfg: dict, barrier, queue) -> None:
         queue.put(("done", rank, text))
 
 
-def stream_rehearsal(shards: Path, *, world: int, workers: int, epochs: int, batch: int, feature_batch: int,
-                     seed: int, n_classes: int, start: str, memory: TreeMemory) -> tuple[dict, dict]:  # fmt: skip
+def stream_rehearsal(
+    shards: Path,
+    *,
+    world: int,
+    workers: int,
+    epochs: int,
+    batch: int,
+    feature_batch: int,
+    seed: int,
+    n_classes: int,
+    start: str,
+    memory: TreeMemory,
+) -> tuple[dict, dict]:
     """Run the ranks (started by `start`: "spawn", fresh interpreters as torchrun starts them, or "fork", faster);
     `memory` starts sampling once they are started. Returns (per-epoch raw data {(epoch, rank): data}, {rank: stderr
     text})."""
@@ -384,11 +431,20 @@ def stream_rehearsal(shards: Path, *, world: int, workers: int, epochs: int, bat
 
     ctx = mp.get_context(start)
     barrier, queue = ctx.Barrier(world), ctx.Queue()
-    cfg = {"shards": str(shards), "world": world, "workers": workers, "epochs": epochs, "batch": batch,
-           "feature_batch": feature_batch, "seed": seed, "n_classes": n_classes,
-           "start_method": mp.get_start_method()}  # fmt: skip
-    procs = [ctx.Process(target=rank_main, args=(r, cfg, barrier, queue), name=f"bench-scale-rank{r}")
-             for r in range(world)]  # fmt: skip
+    cfg = {
+        "shards": str(shards),
+        "world": world,
+        "workers": workers,
+        "epochs": epochs,
+        "batch": batch,
+        "feature_batch": feature_batch,
+        "seed": seed,
+        "n_classes": n_classes,
+        "start_method": mp.get_start_method(),
+    }
+    procs = [
+        ctx.Process(target=rank_main, args=(r, cfg, barrier, queue), name=f"bench-scale-rank{r}") for r in range(world)
+    ]
     for p in procs:
         p.start()
     memory.start()  # after the start: no sampling thread when the ranks fork
@@ -423,8 +479,9 @@ def stream_rehearsal(shards: Path, *, world: int, workers: int, epochs: int, bat
     return data, logs
 
 
-def check_epochs(data: dict, *, world: int, epochs: int, batch: int, n_train: int, n_labelled: int,
-                 memory: TreeMemory) -> dict:  # fmt: skip
+def check_epochs(
+    data: dict, *, world: int, epochs: int, batch: int, n_train: int, n_labelled: int, memory: TreeMemory
+) -> dict:
     """The data checks of every epoch, from the ranks' raw data."""
     target = reference_labelled_share(n_labelled, n_train - n_labelled)
     want_batches = n_train // (batch * world)
@@ -442,12 +499,18 @@ def check_epochs(data: dict, *, world: int, epochs: int, batch: int, n_train: in
             feat_lab[d["feature"]["uq"][ok]] = d["feature"]["labelled"][ok]
             feat_tgt[d["feature"]["uq"][ok]] = d["feature"]["targets"][ok]
         feature = {
-            "samples": int(len(uq)), "missing": int((counts == 0).sum()), "duplicates": int((counts > 1).sum()),
-            "out_of_range": out_of_range, "per_rank": [int(len(d["feature"]["uq"])) for d in ranks],
-            "colour_agreement": float(np.mean(np.concatenate([d["feature"]["pred"] == d["feature"]["targets"]
-                                                              for d in ranks]))) if len(uq) else None,
+            "samples": int(len(uq)),
+            "missing": int((counts == 0).sum()),
+            "duplicates": int((counts > 1).sum()),
+            "out_of_range": out_of_range,
+            "per_rank": [int(len(d["feature"]["uq"])) for d in ranks],
+            "colour_agreement": float(
+                np.mean(np.concatenate([d["feature"]["pred"] == d["feature"]["targets"] for d in ranks]))
+            )
+            if len(uq)
+            else None,
             "seconds": round(max(d["times"][1] for d in ranks) - min(d["times"][0] for d in ranks), 2),
-        }  # fmt: skip
+        }
         feature["exactly_once"] = feature["missing"] == feature["duplicates"] == out_of_range == 0
         # training draws
         lab = np.concatenate([d["train"]["labelled"] for d in ranks])
@@ -457,22 +520,36 @@ def check_epochs(data: dict, *, world: int, epochs: int, batch: int, n_train: in
         share = float(lab.mean()) if len(lab) else float("nan")
         n_batches = [len(d["train"]["batch_sizes"]) for d in ranks]
         train = {
-            "draws": int(len(lab)), "labelled_draws": int(lab.sum()), "labelled_share": share,
-            "labelled_share_error": abs(share - target), "batches_per_rank": n_batches,
+            "draws": int(len(lab)),
+            "labelled_draws": int(lab.sum()),
+            "labelled_share": share,
+            "labelled_share_error": abs(share - target),
+            "batches_per_rank": n_batches,
             "expected_batches_per_rank": want_batches,
             "all_batches_full": bool(all((d["train"]["batch_sizes"] == batch).all() for d in ranks)),
             "unique_fraction": float(len(np.unique(tuq)) / max(1, len(tuq))),
             "draws_outside_0_n": int((~inside).sum()),
-            "metadata_mismatches": int((feat_lab[tuq[inside]] != lab[inside]).sum()
-                                       + (feat_tgt[tuq[inside]] != ttgt[inside]).sum()),
+            "metadata_mismatches": int(
+                (feat_lab[tuq[inside]] != lab[inside]).sum() + (feat_tgt[tuq[inside]] != ttgt[inside]).sum()
+            ),
             "labelled_novel_draws": int((lab & (ttgt >= 0) & (ttgt >= data[(e, 0)]["n_old"])).sum()),
-            "colour_agreement": float(np.mean(np.concatenate([d["train"]["pred"] == d["train"]["targets"]
-                                                              for d in ranks]))) if len(lab) else None,
+            "colour_agreement": float(
+                np.mean(np.concatenate([d["train"]["pred"] == d["train"]["targets"] for d in ranks]))
+            )
+            if len(lab)
+            else None,
             "seconds": round(max(d["times"][2] for d in ranks) - min(d["times"][1] for d in ranks), 2),
-        }  # fmt: skip
+        }
         t0, t1 = min(d["times"][0] for d in ranks), max(d["times"][2] for d in ranks)
-        out.append({"epoch": e, "seconds": round(t1 - t0, 2), "feature": feature, "train": train,
-                    "memory": memory.peak(t0, t1)})  # fmt: skip
+        out.append(
+            {
+                "epoch": e,
+                "seconds": round(t1 - t0, 2),
+                "feature": feature,
+                "train": train,
+                "memory": memory.peak(t0, t1),
+            }
+        )
     return {"labelled_share_target": target, "epochs": out}
 
 
@@ -532,13 +609,18 @@ def decode_augment(images: list[bytes], *, crop: int, batch: int, repeats: int) 
     n = len(images)
     best = min(rounds, key=lambda r: r[1])
     return {
-        "images": n, "crop": crop, "views_per_image": 2, "batch": batch, "threads": 1,
+        "images": n,
+        "crop": crop,
+        "views_per_image": 2,
+        "batch": batch,
+        "threads": 1,
         "mean_kb_per_image": round(sum(map(len, images)) / max(1, n) / 1024, 1),
-        "images_per_cpu_s": round(n / best[1], 1), "images_per_wall_s": round(n / min(r[0] for r in rounds), 1),
+        "images_per_cpu_s": round(n / best[1], 1),
+        "images_per_wall_s": round(n / min(r[0] for r in rounds), 1),
         "decode_share_of_cpu": round(best[2] / best[1], 3),
         "rounds": [{"wall_s": round(w, 3), "cpu_s": round(c, 3), "decode_cpu_s": round(d, 3)} for w, c, d in rounds],
         "statistic": f"best of {len(rounds)} passes by CPU time of the process (one thread)",
-    }  # fmt: skip
+    }
 
 
 # ---- SS-k-means ---------------------------------------------------------------------------------------------------
@@ -558,11 +640,18 @@ def kmeans_round(n: int, dim: int, k: int, n_init: int, max_iter: int, seed: int
 
     u, lab, tgt = bench_kmeans.make_features(n, dim, k, torch.device("cpu"), seed=seed)
     t0 = time.perf_counter()
-    res = semi_supervised_kmeans(u, lab, tgt, k, n_init=n_init, max_iter=max_iter, balanced=True,
-                                 balance="reference", seed=seed)  # fmt: skip
+    res = semi_supervised_kmeans(
+        u, lab, tgt, k, n_init=n_init, max_iter=max_iter, balanced=True, balance="reference", seed=seed
+    )
     seconds = time.perf_counter() - t0
-    return out | {"via": "semi_supervised_kmeans", "seconds": round(seconds, 2), "n_iter": res.n_iter,
-                  "backend": res.backend, "labelled": int(len(lab)), "threads": torch.get_num_threads()}  # fmt: skip
+    return out | {
+        "via": "semi_supervised_kmeans",
+        "seconds": round(seconds, 2),
+        "n_iter": res.n_iter,
+        "backend": res.backend,
+        "labelled": int(len(lab)),
+        "threads": torch.get_num_threads(),
+    }
 
 
 # ---- main -------------------------------------------------------------------------------------------------------
@@ -570,13 +659,17 @@ def kmeans_round(n: int, dim: int, k: int, n_init: int, max_iter: int, seed: int
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n", 2)[2],
-    )  # fmt: skip
+    )
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--draws", default=None, help="save the feature passes' uq and the training draws (.npz)")
-    p.add_argument("--shards-dir", default=str(Path(tempfile.gettempdir()) / "infosieve-bench-scale"),
-                   help="cache of the generated shards (one sub-folder per setting; reused when complete)")  # fmt: skip
+    p.add_argument(
+        "--shards-dir",
+        default=str(Path(tempfile.gettempdir()) / "infosieve-bench-scale"),
+        help="cache of the generated shards (one sub-folder per setting; reused when complete)",
+    )
     p.add_argument("--n", type=int, default=100_000, help="synthetic train samples")
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--size", type=int, default=64, help="stored (and decoded) side of the streamed images")
@@ -626,12 +719,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
     report: dict = {
-        **stamp(), "device": device_name(torch.device("cpu")),
-        "command": " ".join(["python", "benchmarks/bench_scale.py", *(sys.argv[1:] if argv is None else argv)]),
+        **stamp(),
+        "device": device_name(torch.device("cpu")),
+        "command": " ".join(["python", "-m", "benchmarks.bench_scale", *(sys.argv[1:] if argv is None else argv)]),
         "torch": torch.__version__,
-        "machine": {"cpus": os.cpu_count(), "loadavg_at_start": round(os.getloadavg()[0], 2),
-                    "platform": platform.platform()},
-    }  # fmt: skip
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": round(os.getloadavg()[0], 2),
+            "platform": platform.platform(),
+        },
+    }
     base = Path(args.shards_dir)
     log = lambda msg: print(f"bench_scale: {msg}", file=sys.stderr, flush=True)
 
@@ -648,8 +745,10 @@ def main(argv: list[str] | None = None) -> dict:
         shard_size_mb=args.shard_size_mb,
         workers=args.write_workers,
     )
-    log(f"shards: {shards['n_shards']} shards, {shards['mb']} MB, {'reused' if shards['reused'] else 'written'} "
-        f"in {shards['seconds']} s")  # fmt: skip
+    log(
+        f"shards: {shards['n_shards']} shards, {shards['mb']} MB, {'reused' if shards['reused'] else 'written'} "
+        f"in {shards['seconds']} s"
+    )
     report["shards"] = shards
 
     # 2. streaming
@@ -657,39 +756,67 @@ def main(argv: list[str] | None = None) -> dict:
     memory = TreeMemory(args.rss_interval, args.pss_interval)
     t0 = time.monotonic()
     try:
-        data, logs = stream_rehearsal(folder, world=args.world, workers=args.workers, epochs=args.epochs,
-                                      batch=args.batch_size, feature_batch=args.feature_batch_size, seed=args.seed,
-                                      n_classes=args.classes, start=args.rank_start, memory=memory)  # fmt: skip
+        data, logs = stream_rehearsal(
+            folder,
+            world=args.world,
+            workers=args.workers,
+            epochs=args.epochs,
+            batch=args.batch_size,
+            feature_batch=args.feature_batch_size,
+            seed=args.seed,
+            n_classes=args.classes,
+            start=args.rank_start,
+            memory=memory,
+        )
     finally:
         memory.stop()
     t1 = time.monotonic()
     n_train, n_lab = shards["n_train"], shards["n_labelled"]
     got = {(d["n_train"], d["n_old"], d["n_classes"]) for d in data.values()}  # as every rank's source saw them
-    stream = check_epochs(data, world=args.world, epochs=args.epochs, batch=args.batch_size, n_train=n_train,
-                          n_labelled=n_lab, memory=memory)  # fmt: skip
+    stream = check_epochs(
+        data,
+        world=args.world,
+        epochs=args.epochs,
+        batch=args.batch_size,
+        n_train=n_train,
+        n_labelled=n_lab,
+        memory=memory,
+    )
     warnings = [line for text in logs.values() for line in text.splitlines() if "WARNING" in line]
     peak = memory.peak(t0, t1)
     ep_rss = [e["memory"]["rss_mb"] for e in stream["epochs"]]
     growth = (ep_rss[-1] - ep_rss[0]) if len(ep_rss) > 1 and None not in ep_rss else None
     stream |= {
-        "world_size": args.world, "workers_per_rank": args.workers, "batch_size": args.batch_size,
-        "feature_batch_size": args.feature_batch_size, "rank_start": args.rank_start, "seconds": round(t1 - t0, 1),
-        "source_sizes": sorted(got), "data_warnings": len(warnings), "data_warning_lines": warnings[:20],
-    }  # fmt: skip
+        "world_size": args.world,
+        "workers_per_rank": args.workers,
+        "batch_size": args.batch_size,
+        "feature_batch_size": args.feature_batch_size,
+        "rank_start": args.rank_start,
+        "seconds": round(t1 - t0, 1),
+        "source_sizes": sorted(got),
+        "data_warnings": len(warnings),
+        "data_warning_lines": warnings[:20],
+    }
     report["stream"] = stream
     report["memory"] = {
         "what": "whole process tree (main, ranks, DataLoader workers) during the streaming phase; rss = sum of VmRSS "
-                "(a shared page counts once per process: an upper bound), pss = sum of proportional set sizes (the "
-                "footprint; sampled every pss_interval_s), anon = sum of RssAnon; epoch_* = maxima within each epoch",
-        "source": "psutil" if _has_psutil() else "/proc", "interval_s": args.rss_interval,
-        "pss_interval_s": args.pss_interval, **peak,
-        "this_process_before_mb": None if before is None else {
-            k: None if math.isnan(x) else round(x / 1024, 1) for k, x in zip(("rss", "anon", "pss"), before,
-                                                                               strict=True)},
-        "epoch_max_rss_mb": ep_rss, "epoch_max_pss_mb": [e["memory"]["pss_mb"] for e in stream["epochs"]],
+        "(a shared page counts once per process: an upper bound), pss = sum of proportional set sizes (the "
+        "footprint; sampled every pss_interval_s), anon = sum of RssAnon; epoch_* = maxima within each epoch",
+        "source": "psutil" if _has_psutil() else "/proc",
+        "interval_s": args.rss_interval,
+        "pss_interval_s": args.pss_interval,
+        **peak,
+        "this_process_before_mb": None
+        if before is None
+        else {
+            k: None if math.isnan(x) else round(x / 1024, 1)
+            for k, x in zip(("rss", "anon", "pss"), before, strict=True)
+        },
+        "epoch_max_rss_mb": ep_rss,
+        "epoch_max_pss_mb": [e["memory"]["pss_mb"] for e in stream["epochs"]],
         "epoch_growth_mb": None if growth is None else round(growth, 1),
         "flat": None if growth is None else bool(ep_rss[-1] <= ep_rss[0] * (1 + FLAT_TOLERANCE)),
-    }  # fmt: skip
+    }
     if args.draws:
         arrays = {}
         for (e, r), d in data.items():
@@ -704,15 +831,20 @@ def main(argv: list[str] | None = None) -> dict:
         "labelled_share_within_1pct": all(e["train"]["labelled_share_error"] <= SHARE_TOLERANCE for e in epochs),
         "equal_train_batches": all(len(set(e["train"]["batches_per_rank"])) == 1 for e in epochs),
         "expected_train_batches": all(
-            e["train"]["batches_per_rank"] == [e["train"]["expected_batches_per_rank"]] * args.world for e in epochs),
+            e["train"]["batches_per_rank"] == [e["train"]["expected_batches_per_rank"]] * args.world for e in epochs
+        ),
         "full_train_batches": all(e["train"]["all_batches_full"] for e in epochs),
-        "metadata_consistent": all(e["train"]["metadata_mismatches"] == e["train"]["draws_outside_0_n"] == 0
-                                   and e["train"]["labelled_novel_draws"] == 0 for e in epochs),
-        "images_match_targets": all(min(e["feature"]["colour_agreement"] or 0, e["train"]["colour_agreement"] or 0)
-                                    >= 0.99 for e in epochs),
+        "metadata_consistent": all(
+            e["train"]["metadata_mismatches"] == e["train"]["draws_outside_0_n"] == 0
+            and e["train"]["labelled_novel_draws"] == 0
+            for e in epochs
+        ),
+        "images_match_targets": all(
+            min(e["feature"]["colour_agreement"] or 0, e["train"]["colour_agreement"] or 0) >= 0.99 for e in epochs
+        ),
         "source_sizes": got == {(n_train, shards["n_old"], args.classes)},
         "no_data_warnings": not warnings,
-    }  # fmt: skip
+    }
     checks["all_ok"] = all(checks.values())
     report["checks"] = checks
     log(f"streaming: {stream['seconds']} s, checks {'ok' if checks['all_ok'] else 'FAILED'}: {checks}")
@@ -743,8 +875,9 @@ def main(argv: list[str] | None = None) -> dict:
     km = None
     if not args.skip_kmeans:
         log(f"k-means: {args.kmeans_n} x {args.kmeans_dim}, K = {args.kmeans_k}, n_init {args.kmeans_n_init}")
-        km = kmeans_round(args.kmeans_n, args.kmeans_dim, args.kmeans_k, args.kmeans_n_init, args.kmeans_max_iter,
-                          args.seed)  # fmt: skip
+        km = kmeans_round(
+            args.kmeans_n, args.kmeans_dim, args.kmeans_k, args.kmeans_n_init, args.kmeans_max_iter, args.seed
+        )
         log(f"k-means: {km['seconds']} s")
     report["kmeans"] = km
 

@@ -5,7 +5,7 @@ Writes ``--samples`` small synthetic JPEGs (8 distinct 24 x 32 images, ``.jpg`` 
 writes them) into shards of ``--per-shard`` samples, then opens them with ``ShardSource`` as foreign shards: once with
 no saved index, then ``--reopens`` times more. The issue's target: reopening >= 10x faster than the first open.
 
-    python benchmarks/bench_shard_index.py --samples 100000 --json benchmarks/results/shard_index_cpu.json
+    python -m benchmarks.bench_shard_index --samples 100000 --json benchmarks/results/shard_index_cpu.json
 """
 
 from __future__ import annotations
@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
-import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import smoke  # noqa: E402
-from benchmarks.provenance import emit_json  # noqa: E402
-from infosieve_fast.config import IntakeConfig  # noqa: E402
-from infosieve_fast.data.stream import ShardSource  # noqa: E402
+from benchmarks import smoke
+from benchmarks.provenance import emit_json
+from infosieve_fast.config import IntakeConfig
+from infosieve_fast.data.stream import ShardSource
 
 N_CLASSES = 10
 

@@ -54,8 +54,8 @@ saves run in full. Every projection is recorded (`projection_factors`, measured 
 being paths into this report, so each names its variants; an epoch ratio always pairs a fast epoch with the published
 epochs measured alongside that same variant.
 
-    python benchmarks/bench_train.py --device cuda --epoch --json benchmarks/results/nvidia-h100-80gb-hbm3-train.json
-    python benchmarks/bench_train.py --device cpu --backbone vit_tiny_patch16_224 --batch 8 --steps 20 --warmup 3
+    python -m benchmarks.bench_train --device cuda --epoch --json benchmarks/results/nvidia-h100-80gb-hbm3-train.json
+    python -m benchmarks.bench_train --device cpu --backbone vit_tiny_patch16_224 --batch 8 --steps 20 --warmup 3
     pytest benchmarks/bench_train.py          # the same small CPU case through pytest-benchmark
 
 Prints one JSON document at the end (`benchmarks.provenance.emit_json`); with --json it is also written there after
@@ -75,26 +75,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import smoke  # noqa: E402
-from benchmarks.provenance import device_name, emit_json, stamp  # noqa: E402
-from benchmarks.published import train as published  # noqa: E402
-from infosieve_fast import checkpoint as ckpt  # noqa: E402
-from infosieve_fast.config import apply_overrides, from_dict  # noqa: E402
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment  # noqa: E402
-from infosieve_fast.data.base import Batch  # noqa: E402
-from infosieve_fast.data.memory import InMemoryGCD  # noqa: E402
-from infosieve_fast.data.splits import gcd_split  # noqa: E402
-from infosieve_fast.engine import FeatureSet, LossMonitor, Trainer  # noqa: E402
-from infosieve_fast.precision import set_cuda_matmul_tf32  # noqa: E402
+from benchmarks import smoke
+from benchmarks.harness import sync, timed
+from benchmarks.provenance import device_name, emit_json, stamp
+from benchmarks.published import train as published
+from infosieve_fast import checkpoint as ckpt
+from infosieve_fast.config import apply_overrides, from_dict
+from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.base import Batch
+from infosieve_fast.data.memory import InMemoryGCD
+from infosieve_fast.data.splits import gcd_split
+from infosieve_fast.engine import FeatureSet, LossMonitor, Trainer
+from infosieve_fast.precision import set_cuda_matmul_tf32
 
 FAST_VARIANTS = {
     "fast_default": [],
@@ -105,8 +102,14 @@ FAST_VARIANTS = {
 }
 PUBLISHED_VARIANTS = {"published_fp32": False, "published_bf16": True}  # the value: bf16 autocast
 REPORT_ORDER = (
-    "fast_default", "published_bf16", "published_fp32", "fast_eager", "fast_frozen_bf16", "fast_checkpoint", "fast_all",
-)  # fmt: skip
+    "fast_default",
+    "published_bf16",
+    "published_fp32",
+    "fast_eager",
+    "fast_frozen_bf16",
+    "fast_checkpoint",
+    "fast_all",
+)
 DEFAULT, FAIREST_BASELINE = "fast_default", "published_bf16"
 CUDA_ONLY = {"fast_all": "needs CUDA: train.compile=on (torch.compile) is CUDA only"}
 KMEANS_INITS = 10  # the published and the default n_init
@@ -126,16 +129,21 @@ DATASHEET_BF16_TFLOPS = (
 # default, the backbone and its input geometry as one group (a command that names its backbone keeps its crop).
 SMOKE_STEPS = {"steps": 2, "warmup": 1}
 SMOKE_GEOMETRY = {
-    "backbone": "vit_tiny_patch16_224", "backbone_kwargs": '{"img_size": 32}', "crop": 32, "image_size": 40,
-}  # fmt: skip
+    "backbone": "vit_tiny_patch16_224",
+    "backbone_kwargs": '{"img_size": 32}',
+    "crop": 32,
+    "image_size": 40,
+}
 # A batch of 8: the published loss fails on a batch without a labelled sample (SupCon over no rows), as published.
-SMOKE_SIZES = {"batch": 8, "n_train": 32, "n_test": 16, "feature_batch": 16, "published_feature_batch": 16,
-               "proj_out_dim": 256, "n_classes": 8}  # fmt: skip
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+SMOKE_SIZES = {
+    "batch": 8,
+    "n_train": 32,
+    "n_test": 16,
+    "feature_batch": 16,
+    "published_feature_batch": 16,
+    "proj_out_dim": 256,
+    "n_classes": 8,
+}
 
 
 def bf16_gemm_tflops(device: torch.device) -> float:
@@ -190,12 +198,14 @@ def fast_config(args, overrides: list[str]) -> object:
     source, so no source of the config is ever built or checked against the crop."""
     values = {
         "model": {
-            "backbone": args.backbone, "grad_from_block": args.grad_from_block, "proj_out_dim": args.proj_out_dim,
+            "backbone": args.backbone,
+            "grad_from_block": args.grad_from_block,
+            "proj_out_dim": args.proj_out_dim,
             "backbone_kwargs": dict(args.backbone_kwargs),
         },
         "data": {"batch_size": args.batch, "feature_batch_size": args.feature_batch, "crop_size": args.crop},
         "train": {"device": str(args.device), "seed": args.seed},
-    }  # fmt: skip
+    }
     return from_dict(apply_overrides(values, overrides))
 
 
@@ -242,9 +252,12 @@ def make_trainer(args, overrides: list[str], source: InMemoryGCD, cls: type[Trai
 
 def make_published(args, n_old: int, device: torch.device, weights_from: Trainer) -> published.PublishedLoop:
     model = published.build_published_model(
-        n_old, args.backbone, args.grad_from_block, proj_out_dim=args.proj_out_dim,
+        n_old,
+        args.backbone,
+        args.grad_from_block,
+        proj_out_dim=args.proj_out_dim,
         backbone_kwargs=dict(args.backbone_kwargs),
-    ).to(device)  # fmt: skip
+    ).to(device)
     published.copy_weights_from_fast(model, weights_from.model)
     loop = published.PublishedLoop.build(model, n_old)
     published.set_epoch(model, 0, 200)
@@ -399,11 +412,9 @@ def time_fast_epoch(trainer: Trainer, device: torch.device) -> dict:
     trainer.cfg.train.max_steps_per_epoch = 2
     trainer.train_epoch(0)
     trainer.cfg.train.max_steps_per_epoch = None
-    sync(device)
-    t0 = time.perf_counter()
-    record = trainer.train_epoch(1)
-    sync(device)
-    epoch_s = time.perf_counter() - t0
+    with timed(device) as epoch:
+        record = trainer.train_epoch(1)
+    epoch_s = epoch.seconds
     if not math.isfinite(record["loss_total"]):
         raise RuntimeError("non-finite loss in the fast epoch")
     with tempfile.TemporaryDirectory() as run_dir:
@@ -421,31 +432,34 @@ def time_fast_epoch(trainer: Trainer, device: torch.device) -> dict:
     }
 
 
-def time_published_epoch(args, loop: published.PublishedLoop, data: EpochData, stand_ins: published.StandIns,
-                         epoch: int, as_released: bool) -> dict:  # fmt: skip
+def time_published_epoch(
+    args, loop: published.PublishedLoop, data: EpochData, stand_ins: published.StandIns, epoch: int, as_released: bool
+) -> dict:
     """One published epoch on the loop's current weights, its phases and their projections (k-means restarts to 10,
     `--as-released-subset` phases to the full size)."""
     device = data.images.device
     augment = DeviceAugment(AugmentConfig(args.crop))
     inits = args.ref_kmeans_inits
     kwargs = dict(
-        batch_size=args.batch, epoch=epoch, epochs=200, augment=augment.train_views,
+        batch_size=args.batch,
+        epoch=epoch,
+        epochs=200,
+        augment=augment.train_views,
         generator=torch.Generator(device=device).manual_seed(args.seed + epoch),
         sampler_generator=torch.Generator().manual_seed(args.seed + epoch),
-        feature_batch_size=args.published_feature_batch, stand_ins=stand_ins,
+        feature_batch_size=args.published_feature_batch,
+        stand_ins=stand_ins,
         kmeans_kwargs={"n_init": inits, "max_iter": 10, "sqdist_mode": "broadcast", "random_state": args.seed},
-    )  # fmt: skip
+    )
     with tempfile.TemporaryDirectory() as save_dir:
         if as_released:
             test = (data.test_images, data.test_targets, augment.test_view)
             kwargs["released"] = published.ReleasedWork(*test, save_dir)
             kwargs["max_images"] = args.as_released_subset
-        sync(device)
-        t0 = time.perf_counter()
-        result = published.published_epoch(loop, data.images, data.targets, data.labelled, args.n_classes, **kwargs)
-        losses = [float(v) for v in result.losses]
-        sync(device)
-        measured_s = time.perf_counter() - t0
+        with timed(device) as measured:
+            result = published.published_epoch(loop, data.images, data.targets, data.labelled, args.n_classes, **kwargs)
+            losses = [float(v) for v in result.losses]
+        measured_s = measured.seconds
     if not all(math.isfinite(v) for v in losses):
         raise RuntimeError(f"non-finite loss in the published epoch {epoch}")
     factors = {k: f for k, f in {**result.scale, "kmeans": KMEANS_INITS / inits}.items() if f != 1}
@@ -576,12 +590,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--feature-batch", type=int, default=1024, help="infosieve-fast's feature-pass batch")
     p.add_argument("--published-feature-batch", type=int, default=128, help="the published feature pass's batch")
     p.add_argument("--ref-kmeans-inits", type=int, default=1, help="published pseudo-label k-means restarts run")
-    p.add_argument("--as-released-subset", type=int, default=None, metavar="IMAGES",
-                   help="run the as-released published epoch's passes and steps over IMAGES images and project them "
-                        "to the full size (default: run them in full)")  # fmt: skip
-    p.add_argument("--stand-in-noise", type=float, default=0.03,
-                   help="--epoch: per-coordinate noise of the features every k-means clusters (larger: classes overlap "
-                        "more, the k-means converge later); 0.03 is bench_kmeans' recipe")  # fmt: skip
+    p.add_argument(
+        "--as-released-subset",
+        type=int,
+        default=None,
+        metavar="IMAGES",
+        help="run the as-released published epoch's passes and steps over IMAGES images and project them "
+        "to the full size (default: run them in full)",
+    )
+    p.add_argument(
+        "--stand-in-noise",
+        type=float,
+        default=0.03,
+        help="--epoch: per-coordinate noise of the features every k-means clusters (larger: classes overlap "
+        "more, the k-means converge later); 0.03 is bench_kmeans' recipe",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -633,7 +656,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
     report = {
         "benchmark": "bench_train",
         **stamp(),
-        "command": " ".join(["python", "benchmarks/bench_train.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "-m", "benchmarks.bench_train", *sys.argv[1:]]),
         "device": name,
         "torch": torch.__version__,
         "summary": {},
@@ -656,8 +679,9 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
             "summary ratio names the report paths of its numerator and denominator."
         ),
     }
-    steps = StepBench(args, device, {"measured_gemm": report["bf16_gemm_tflops"],
-                                     "datasheet": report["bf16_datasheet_tflops"]})  # fmt: skip
+    steps = StepBench(
+        args, device, {"measured_gemm": report["bf16_gemm_tflops"], "datasheet": report["bf16_datasheet_tflops"]}
+    )
 
     def update() -> None:
         report["step"] = steps.report()

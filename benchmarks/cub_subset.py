@@ -1,23 +1,26 @@
-"""A CUB-style folder holding the first species of another (realdata/cub100): what the benchmarks on real birds train
-or stream from, at a chosen size."""
+"""A CUB-style folder holding a range of species of another (realdata/cub100): what the benchmarks on real birds
+train or stream from, at a chosen size."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def write_cub_subset(src: Path, classes: int, dst: Path) -> Path:
-    """`dst` as a CUB-style folder with the first `classes` species of `src` (id files filtered, images linked)."""
+def write_cub_subset(src: Path, classes: int, dst: Path, first: int = 0) -> Path:
+    """`dst` as a CUB-style folder with `classes` species of `src` from id `first` on (ids renumbered from 0, so the
+    first half of the range is known under the GCD split; id files filtered, images linked)."""
     if not (src / "images.txt").is_file():
         raise FileNotFoundError(f"{src} is not a CUB-style folder (no images.txt): point INFOSIEVE_REALDATA at it")
+    names = dict(line.split(", ", 1) for line in (src / "classes.txt").read_text().splitlines())
+    if first < 0 or first + classes > len(names):
+        raise ValueError(f"species {first}..{first + classes - 1} do not exist: {src} holds {len(names)} (0..)")
     dst.mkdir(parents=True, exist_ok=True)
     labels = dict(line.split(", ") for line in (src / "image_class_labels.txt").read_text().splitlines())
-    keep = {i for i, c in labels.items() if int(c) < classes}
-    for name in ("images.txt", "image_class_labels.txt"):
-        lines = [x for x in (src / name).read_text().splitlines() if x.split(", ")[0] in keep]
-        (dst / name).write_text("\n".join(lines) + "\n")
-    lines = [x for x in (src / "classes.txt").read_text().splitlines() if int(x.split(", ")[0]) < classes]
-    (dst / "classes.txt").write_text("\n".join(lines) + "\n")
+    keep = {i: int(c) - first for i, c in labels.items() if first <= int(c) < first + classes}
+    images = [x for x in (src / "images.txt").read_text().splitlines() if x.split(", ")[0] in keep]
+    (dst / "images.txt").write_text("\n".join(images) + "\n")
+    (dst / "image_class_labels.txt").write_text("".join(f"{i}, {c}\n" for i, c in keep.items()))
+    (dst / "classes.txt").write_text("".join(f"{c}, {names[str(first + c)]}\n" for c in range(classes)))
     if not (dst / "images").exists():
         (dst / "images").symlink_to(src / "images")
     return dst

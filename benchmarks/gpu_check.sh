@@ -103,20 +103,20 @@ cp "$out/env.txt" "$summary"
 
 require_gpu=()
 [ "$DEVICE" = cuda ] && require_gpu=(--require-gpu)
-step preflight 60 "$PY" benchmarks/gpu_preflight.py --device "$DEVICE" "${require_gpu[@]}" --json "$out/preflight.json"
+step preflight 60 "$PY" -m benchmarks.gpu_preflight --device "$DEVICE" "${require_gpu[@]}" --json "$out/preflight.json"
 
-step kmeans-in1k 90 "$PY" benchmarks/bench_kmeans.py --device "$DEVICE" --scale imagenet1k \
+step kmeans-in1k 90 "$PY" -m benchmarks.bench_kmeans --device "$DEVICE" --scale imagenet1k \
   --distance-precision bf16,tf32,fp32 --json "$out/kmeans-imagenet1k.json"
 
-step epoch-in1k 150 "$PY" benchmarks/bench_epoch_scale.py --device "$DEVICE" \
+step epoch-in1k 150 "$PY" -m benchmarks.bench_epoch_scale --device "$DEVICE" \
   --kmeans-json "$out/kmeans-imagenet1k.json" --json "$out/epoch-imagenet1k.json"
 
-step cache-herb19 90 "$PY" benchmarks/bench_gpu_cache.py --device "$DEVICE" --json "$out/gpu-cache-herbarium19.json"
+step cache-herb19 90 "$PY" -m benchmarks.bench_gpu_cache --device "$DEVICE" --json "$out/gpu-cache-herbarium19.json"
 
-step train 120 "$PY" benchmarks/bench_train.py --device "$DEVICE" --epoch --epoch-variants fast_default,fast_all \
+step train 120 "$PY" -m benchmarks.bench_train --device "$DEVICE" --epoch --epoch-variants fast_default,fast_all \
   --variants published_fp32,published_bf16,fast_default,fast_eager,fast_all --as-released-subset 1024 --json "$out/train.json"
 
-step kernels 60 "$PY" benchmarks/bench_kernels.py --device "$DEVICE" --budget-s 40 --json "$out/kernels.json"
+step kernels 60 "$PY" -m benchmarks.bench_kernels --device "$DEVICE" --budget-s 40 --json "$out/kernels.json"
 
 xdist=()
 "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
@@ -129,7 +129,7 @@ step resume 60 "$PY" -m pytest tests/test_engine.py -k "(two_epoch and cuda) or 
   -p no:cacheprovider
 
 demo_epochs=()
-[ "$DEVICE" = cpu ] && demo_epochs=(--set schedule.epochs=1)
+[ "$DEVICE" = cpu ] && demo_epochs=(--set schedule.epochs=1 --set train.train_subset=256 --set kmeans.n_init=1)
 step demo 45 "$PY" -m infosieve_fast.cli train --config configs/demo.yaml --out "$work/demo-run" \
   --set train.device="$DEVICE" "${demo_epochs[@]}"
 cp "$work/demo-run/metrics.json" "$out/demo-metrics.json" 2>/dev/null

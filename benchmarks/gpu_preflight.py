@@ -1,7 +1,7 @@
 """A few seconds before any GPU benchmark: is the GPU there, does nvJPEG decode, does a Triton kernel run and agree?
 
-    python benchmarks/gpu_preflight.py --device cuda --json RESULTS/preflight.json   # on the GPU machine
-    python benchmarks/gpu_preflight.py --device cpu                                  # CI: Triton's interpreter
+    python -m benchmarks.gpu_preflight --device cuda --json RESULTS/preflight.json   # on the GPU machine
+    python -m benchmarks.gpu_preflight --device cpu                                  # CI: Triton's interpreter
 
 Checks, each reported as "ok", "failed" (with the error text) or "skipped: <why>"; a check never raises:
 - gpu: the device's name, memory, compute capability and multiprocessor count (skipped on the CPU; failed when
@@ -27,7 +27,6 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,8 +34,8 @@ from PIL import Image
 
 if not torch.cuda.is_available():  # Triton reads it once, when first imported (torchvision imports it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import sync  # noqa: E402
 from benchmarks.provenance import device_name, emit_json  # noqa: E402
 from infosieve_fast.data import decode  # noqa: E402
 
@@ -69,9 +68,12 @@ def run_check(check: Callable[[], dict]) -> dict:
 def check_gpu(device: torch.device) -> dict:
     p = torch.cuda.get_device_properties(device)
     return {
-        "status": "ok", "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-        "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
-    }  # fmt: skip
+        "status": "ok",
+        "name": p.name,
+        "memory_gib": round(p.total_memory / 2**30, 1),
+        "capability": f"{p.major}.{p.minor}",
+        "multiprocessors": p.multi_processor_count,
+    }
 
 
 def small_jpeg() -> bytes:
@@ -89,19 +91,28 @@ def check_nvjpeg(device: torch.device) -> dict:
     """One JPEG through `decode.nvjpeg_decode` on `device` against the CPU decoder."""
     data = torch.frombuffer(bytearray(small_jpeg()), dtype=torch.uint8)
     on_device = decode.nvjpeg_decode([data], device)[0]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     cpu = decode.decode_cpu(data)
-    report = {"image": "96x64 JPEG quality 90 (PIL)", "shape": list(on_device.shape), "cpu_shape": list(cpu.shape),
-              "device": str(on_device.device)}  # fmt: skip
+    report = {
+        "image": "96x64 JPEG quality 90 (PIL)",
+        "shape": list(on_device.shape),
+        "cpu_shape": list(cpu.shape),
+        "device": str(on_device.device),
+    }
     if on_device.shape != cpu.shape:
-        return {"status": "failed", "error": f"nvJPEG decoded {tuple(on_device.shape)}, the CPU {tuple(cpu.shape)}",
-                **report}  # fmt: skip
+        return {
+            "status": "failed",
+            "error": f"nvJPEG decoded {tuple(on_device.shape)}, the CPU {tuple(cpu.shape)}",
+            **report,
+        }
     diff = (on_device.cpu().float() - cpu.float()).abs()
     report |= {"max_abs_diff": int(diff.max()), "mean_abs_diff": round(float(diff.mean()), 3)}
     if report["mean_abs_diff"] >= NVJPEG_MEAN_TOLERANCE:
-        return {"status": "failed", "error": f"mean abs diff {report['mean_abs_diff']} >= {NVJPEG_MEAN_TOLERANCE}",
-                **report}  # fmt: skip
+        return {
+            "status": "failed",
+            "error": f"mean abs diff {report['mean_abs_diff']} >= {NVJPEG_MEAN_TOLERANCE}",
+            **report,
+        }
     return {"status": "ok", **report}
 
 
@@ -118,8 +129,11 @@ def check_triton(device: torch.device) -> dict:
         diffs[name] = float((a.float() - e.float()).abs().max())
         if a.shape != e.shape or not torch.allclose(a.float(), e.float(), rtol=TRITON_RTOL, atol=TRITON_ATOL):
             bad.append(name)
-    report = {"op": f"code_head forward, {TRITON_N}x{TRITON_L} fp32", "interpreter": _triton_interpreting(),
-              "max_abs_diff": diffs}  # fmt: skip
+    report = {
+        "op": f"code_head forward, {TRITON_N}x{TRITON_L} fp32",
+        "interpreter": _triton_interpreting(),
+        "max_abs_diff": diffs,
+    }
     if bad:
         return {"status": "failed", "error": f"outside rtol {TRITON_RTOL}, atol {TRITON_ATOL}: {bad}", **report}
     return {"status": "ok", **report}
@@ -150,10 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         "triton": run_check(lambda: check_triton(device)),
     }
     result = {
-        "benchmark": "gpu_preflight", "device": device_name(device), "device_asked": str(wanted),
-        "cuda_available": cuda, "versions": versions(),
-        "summary": {name: c["status"] for name, c in checks.items()}, "checks": checks,
-    }  # fmt: skip
+        "benchmark": "gpu_preflight",
+        "device": device_name(device),
+        "device_asked": str(wanted),
+        "cuda_available": cuda,
+        "versions": versions(),
+        "summary": {name: c["status"] for name, c in checks.items()},
+        "checks": checks,
+    }
     emit_json(result, args.json)
     return 1 if args.require_gpu and not cuda else 0
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 
-from benchmarks import bench_scale
-from benchmarks.bench_scale import SyntheticImage, natural_image
+from benchmarks.bench_scale import SyntheticImage, natural_image, write_synthetic_shards
 
 KIND = "pooled-v1"  # names the generator in the shards' manifest: change it when the images change
 POOL = 64
@@ -56,6 +54,14 @@ class PooledImage(SyntheticImage):
 def write_pooled_shards(out: Path, *, n: int, n_classes: int, size: int, workers: int, seed: int = 0) -> dict:
     """Write (or verify and reuse) `n` pooled images of `n_classes` classes as make-shards output in `out`; returns
     bench_scale's description of the shards."""
-    with mock.patch.object(bench_scale, "SyntheticImage", PooledImage):  # its writer makes one per sample
-        return bench_scale.write_synthetic_shards(out, kind=KIND, n=n, n_classes=n_classes, size=size, seed=seed,
-                                                  shard_size_mb=64, workers=workers)  # fmt: skip
+    return write_synthetic_shards(
+        out,
+        kind=KIND,
+        n=n,
+        n_classes=n_classes,
+        size=size,
+        seed=seed,
+        shard_size_mb=64,
+        workers=workers,
+        image=PooledImage,
+    )

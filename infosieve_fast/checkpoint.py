@@ -115,13 +115,14 @@ class CheckpointError(ValueError):
     """A run-folder file that cannot be read: the message names the file and the way out."""
 
 
-def load_checkpoint(run_dir: str | Path, map_location="cpu") -> dict[str, Any]:
-    """The run's last checkpoint, read with `weights_only=True` (tensors, dicts, lists, str, bytes, numbers only: a
-    checkpoint never runs code when it is read). A pending background write is waited for first."""
+def load_checkpoint(run_dir: str | Path, map_location="cpu", name: str = CHECKPOINT) -> dict[str, Any]:
+    """The run's last checkpoint (or the file `name`, e.g. the best one), read with `weights_only=True` (tensors, dicts,
+    lists, str, bytes, numbers only: a checkpoint never runs code when it is read). A pending background write is
+    waited for first."""
     wait_for_checkpoint()
-    path = Path(run_dir) / CHECKPOINT
+    path = Path(run_dir) / name
     if not path.is_file():
-        raise FileNotFoundError(f"no {CHECKPOINT} in {run_dir}: pass the folder of a run that finished an epoch")
+        raise FileNotFoundError(f"no {name} in {run_dir}: pass the folder of a run that finished an epoch")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:

@@ -1,4 +1,4 @@
-"""`infosieve train | eval | tree | predict | estimate-k | report | make-shards`."""
+"""`infosieve train | eval | tree | predict | estimate-k | report | make-shards | sweep | compare`."""
 
 from __future__ import annotations
 
@@ -67,21 +67,31 @@ def _interruptible(run, run_dir: Path) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .run_folder import print_table, trainer_from_run
+    from .run_folder import print_table, read_run
 
-    trainer = trainer_from_run(args.run)
+    trainer, read = read_run(args.run, args.checkpoint)
+    print(f"checkpoint: {read}")
     if args.split == "test":
-        if trainer.centers is None:
-            raise ValueError(f"{args.run}'s checkpoint holds no k-means centres (it predates them): train it again")
-        metrics = trainer.evaluate_test(trainer.centers)
+        metrics = trainer.evaluate_test(test_centers(trainer, args))
     else:
         metrics = trainer.evaluate()
-    print_table({f"checkpoint ({args.split})": metrics}, trainer.cfg.train.eval_protocol)
+    print_table({f"{args.checkpoint} ({args.split})": metrics}, trainer.cfg.train.eval_protocol)
     if args.split == "train":  # what the codes hold, on the same unlabelled samples
         from .code_metrics import evaluate_codes, format_code_measures
 
         print(format_code_measures(evaluate_codes(trainer)))
     return 0
+
+
+def test_centers(trainer, args: argparse.Namespace):
+    """The train clustering's centres the test split is scored against: the last checkpoint holds the final
+    evaluation's; the best one holds its epoch's pseudo-label round (features of the weights before that epoch), so
+    its evaluation's SS-k-means runs again."""
+    if args.checkpoint == "best":
+        return trainer.evaluate_full().clustering.centers
+    if trainer.centers is None:
+        raise ValueError(f"{args.run}'s checkpoint holds no k-means centres (it predates them): train it again")
+    return trainer.centers
 
 
 def _tree(args: argparse.Namespace) -> int:
@@ -111,7 +121,7 @@ def _predict(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from .report import write_report
 
-    print(f"wrote {write_report(args.run, depth=args.depth)}")
+    print(f"wrote {write_report(args.run, depth=args.depth, checkpoint=args.checkpoint)}")
     return 0
 
 
@@ -147,6 +157,24 @@ def _make_shards(args: argparse.Namespace) -> int:
     return shards.run_cli(args)
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from .sweep import run_cli
+
+    return run_cli(args)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import run_cli
+
+    return run_cli(args)
+
+
+def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", choices=("last", "best"), default="last",
+                        help="last: RUN/checkpoint.pt (default); best: RUN/checkpoint-best.pt, the best epoch by the "
+                        "run's checkpoint.best criterion")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infosieve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", choices=("train", "test"), default="train",
                    help="train: SS-k-means of the unlabelled train samples (the reported metric); test: the held-out "
                    "test split, each image to the nearest final centre")  # fmt: skip
+    add_checkpoint_argument(p)
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("tree", help="the implicit category tree of a run's learned codes")
@@ -185,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write RUN/report.html: losses, schedules, accuracy, confusion, the tree")
     p.add_argument("--run", required=True, metavar="RUN_DIR")
     p.add_argument("--depth", type=int, default=4, help="depth of the tree picture (default 4)")
+    add_checkpoint_argument(p)
     p.set_defaults(func=_report)
 
     p = sub.add_parser("estimate-k", help="estimate the number of categories (GCD's method) from a run or features")
@@ -199,6 +229,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-shards", help="write a dataset's GCD split as WebDataset shards")
     shards.add_cli_arguments(p)
     p.set_defaults(func=_make_shards)
+
+    p = sub.add_parser("sweep", help="run a config over seeds and a grid of --set values, and summarise them")
+    p.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
+    p.add_argument("--seeds", required=True, help="train.seed values: a range 1-5, a list 1,3,7, or both")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="a config key and its values; several --grid run every combination")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every run")
+    p.add_argument("--out", required=True, help="the sweep folder (the same command again continues it)")
+    p.add_argument("--devices", help="cuda:0,cuda:1 (one run per GPU at a time) or cpu; default: one run after "
+                   "another in this process, on the config's train.device")  # fmt: skip
+    p.set_defaults(func=_sweep)
+
+    p = sub.add_parser("compare", help="runs and sweeps side by side, beside the paper's published numbers")
+    p.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP", help="run folders and sweep folders")
+    p.add_argument("--out", default="compare.html",
+                   help="the HTML page (default compare.html); its PNGs go to the folder of its name")  # fmt: skip
+    p.add_argument("--json", help="also write the comparison here as JSON")
+    p.add_argument("--reference", action="append", default=[], metavar="DATASET",
+                   help="also show the paper's published rows for this dataset (cub, aircraft, scars, pets, "
+                   "herbarium19, cifar10, cifar100, imagenet100), in their own table")  # fmt: skip
+    p.set_defaults(func=_compare)
     return parser
 
 

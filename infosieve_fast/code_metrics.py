@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .metrics import evaluate_split
+from .metrics import NO_LABEL, evaluate_split
 
 DEPTHS = (4, 8, 16)
 
@@ -85,13 +85,18 @@ def nmi(groups, targets) -> float:
 
 
 def code_measures(code_raw: Tensor, mask: Tensor, targets: Tensor, depths=DEPTHS, threshold: float = 0.5) -> dict:
-    """{"prefixes_d", "purity_d", "nmi_d"} for each depth d and "mean_length" over the rows given."""
+    """{"prefixes_d", "purity_d", "nmi_d"} for each depth d and "mean_length" over the rows given. Purity and NMI
+    need a class: they are computed on the rows whose target is not `NO_LABEL`, and are NaN when there is none."""
     out: dict[str, float] = {}
+    targets = torch.as_tensor(targets).cpu()
+    labelled = targets != NO_LABEL
+    no_class = len(targets) > 0 and not bool(labelled.any())  # rows, but none with a class to score against
     for d in depths:
         groups = prefix_ids(code_raw, mask, d, threshold)
         out[f"prefixes_{d}"] = int(groups.max()) + 1 if len(groups) else 0
-        out[f"purity_{d}"] = purity(groups, targets)
-        out[f"nmi_{d}"] = nmi(groups, targets)
+        scored = (groups.cpu()[labelled], targets[labelled])
+        out[f"purity_{d}"] = math.nan if no_class else purity(*scored)
+        out[f"nmi_{d}"] = math.nan if no_class else nmi(*scored)
     lengths = code_lengths(mask, threshold)
     out["mean_length"] = float(lengths.double().mean()) if len(lengths) else math.nan
     return out

@@ -2,15 +2,14 @@
 
 Defaults are the reference implementation's (REFERENCE.md §1, §3.8, §4); every departure from it is a named switch.
 Unknown keys are rejected with their full dotted name, and every value is checked when the config loads, before any
-data is read: its type, its choices (`CHOICES`), its range (`RANGES`) and the few rules that tie settings together.
+data is read: its type, its choices (`CHOICES`), its range (`RANGES`) and the few rules that tie settings together
+(config_checks.py).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
-import operator
 import os
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .config_checks import CHOICES, ConfigError, check_ranges, check_rules
 
 
 @dataclass
@@ -199,6 +200,19 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Which checkpoints a run keeps (docs/training.md). RUN/checkpoint.pt is always the last. `best`: "none" (the
+    published behaviour) | "labelled_holdout": also keep the epoch whose k-means clusters best match held-out labelled
+    images of the known classes (GCD's criterion for K); `holdout_fraction` of the labelled images, chosen with
+    `holdout_seed`, then never take part in the supervised losses | "kmeans_objective": the epoch with the lowest
+    k-means inertia of the features. Neither reads a label of an unlabelled image."""
+
+    best: str = "none"
+    holdout_fraction: float = 0.1
+    holdout_seed: int = 0
+
+
+@dataclass
 class Config:
     name: str = "infosieve"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -208,114 +222,10 @@ class Config:
     kmeans: KMeansConfig = field(default_factory=KMeansConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-CHOICES = {
-    "loss.length_weights": ("stale", "current"),
-    "loss.sup_code_input": ("code", "trunc_code"),
-    "loss.code_constraint": ("reference", "paper"),
-    "loss.categorizer_loss": ("bce", "ce"),
-    "loss.code_distance": ("rowsum", "euclidean"),
-    "loss.code_infonce_input": ("code_raw", "code"),
-    "loss.labeller_grad_stop": ("none", "backbone", "projection"),
-    "optim.name": ("sgd", "adamw"),
-    "kmeans.balance": ("reference", "capacity"),
-    "kmeans.backend": ("auto", "torch", "faiss"),
-    "kmeans.distance_precision": ("fp32", "tf32", "bf16"),
-    "data.source": ("shards", "digits"),
-    "data.sampling": ("weighted", "shuffle"),
-    "data.cache": ("auto", "gpu", "cpu", "off"),
-    "data.decode": ("auto", "cpu", "gpu"),
-    "train.amp": ("auto", "bf16", "off"),
-    "train.eval_protocol": ("v1", "v2", "v2b"),
-    "train.kernels": ("auto", "triton", "torch"),
-    "train.compile": ("auto", "on", "off"),  # true/false in YAML read as on/off
-    "train.token_cache": ("auto", "off"),
-}
-
-
-class ConfigError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric setting may take: finite, from `low` (open: excluded) up to `high` (None: no bound).
-    `null`: what null means, for a setting that may be null."""
-
-    low: float
-    high: float | None = None
-    open_low: bool = False
-    open_high: bool = False
-    null: str | None = None
-
-    def holds(self, value: float) -> bool:
-        above = value > self.low if self.open_low else value >= self.low
-        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
-        return math.isfinite(value) and above and below
-
-    def values(self) -> str:
-        """'>= 1', '> 0' or 'in [0, 1]'."""
-        if self.high is None:
-            return f"{'>' if self.open_low else '>='} {self.low:g}"
-        return f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
-
-    def error(self, key: str, value: float) -> str:
-        verb = "be" if self.high is None else "lie"
-        null = f" (or null: {self.null})" if self.null else ""
-        return f"{key} must {verb} {self.values()}{null}, got {value!r}: set --set {key}=<a value {self.values()}>"
-
-
-_POSITIVE = Range(0.0, open_low=True)
-_SHARE = Range(0.0, 1.0)
-_SIZE = Range(1)
-
-# The range of every numeric setting. Every other setting is a bool, one of `CHOICES`, or checked by name in
-# `_check_rules`; tests/test_config_ranges.py holds a bad value for each key of model, loss, optim, schedule, kmeans.
-RANGES = {
-    "model.grad_from_block": Range(0, null="every backbone parameter trains"),
-    "model.proj_hidden_dim": _SIZE,
-    "model.proj_bottleneck_dim": _SIZE,
-    "model.proj_out_dim": _SIZE,
-    "model.proj_layers": Range(2),  # the head's MLP has proj_layers - 2 hidden layers (DINOHead's nlayers)
-    "model.code_length": _SIZE,
-    "model.labeller_hidden_dim": _SIZE,
-    "model.labeller_layers": Range(0),  # hidden layers of the coder, masker and categorizer
-    **{f"loss.{name}": Range(0.0) for name in ("alpha", "beta", "delta", "zeta", "mu", "eta")},
-    "loss.sup_con_weight": _SHARE,
-    "loss.sup_code_weight": _SHARE,
-    "loss.temperature": _POSITIVE,
-    "loss.supcon_temperature": _POSITIVE,
-    "loss.label_smoothing": _SHARE,
-    "loss.code_temperature": Range(0.0, open_low=True, null="loss.temperature"),
-    "loss.code_supcon_temperature": Range(0.0, open_low=True, null="loss.supcon_temperature"),
-    "loss.code_label_smoothing": Range(0.0, 1.0, null="loss.label_smoothing"),
-    "optim.lr": _POSITIVE,
-    "optim.momentum": Range(0.0, 1.0, open_high=True),
-    "optim.weight_decay": Range(0.0),
-    "optim.min_lr_ratio": _SHARE,
-    "schedule.epochs": _SIZE,
-    "schedule.age_max": _POSITIVE,
-    # the positional base falls from base_start by up to 1 over the run, and base^-k needs a positive base
-    "schedule.base_start": Range(1.0, open_low=True),
-    "kmeans.n_init": _SIZE,
-    "kmeans.max_iter": _SIZE,
-    "kmeans.tol": Range(0.0),
-    "kmeans.cluster_size": Range(1, null="ceil(N / K)"),
-    "data.batch_size": Range(2),
-    "data.feature_batch_size": _SIZE,
-    "data.labelled_share": Range(0.0, 1.0, null="the reference's sampler weights"),
-    "data.gpu_cache_share": Range(0.0, 1.0, open_low=True),
-    "data.max_aspect": Range(1.0, null="no cap"),
-    "data.resize": Range(1, null="the manifest's resize, 256 for foreign shards"),
-    "data.intake.labelled_prop": Range(0.0, 1.0, open_low=True),
-    "data.intake.split_seed": Range(0),
-    "train.check_every": _SIZE,
-    "train.eval_every": Range(0),
-}
 
 
 # Keys that moved (old dotted key -> new): run folders written before a move are read upgraded (`upgrade_saved`); a
@@ -407,60 +317,9 @@ def _coerce(value: Any, hint, key: str):
 
 def from_dict(values: dict) -> Config:
     cfg = _build(Config, values, "")
-    for key, allowed in RANGES.items():
-        value = operator.attrgetter(key)(cfg)
-        if value is not None and not allowed.holds(value):
-            raise ConfigError(allowed.error(key, value))
-    _check_rules(cfg)
+    check_ranges(cfg)
+    check_rules(cfg)
     return cfg
-
-
-def _check_rules(cfg: Config) -> None:
-    """The settings that are not numbers in a range, and the rules that tie settings together."""
-    m = cfg.model
-    if not m.backbone.strip():
-        raise ConfigError("model.backbone must name a timm model or one of infosieve_fast/backbones.py, got ''")
-    if m.pretrained is not None and not m.pretrained.strip():
-        raise ConfigError("model.pretrained must be a checkpoint file or null (no pretrained weights), got ''")
-    _check_backbone_kwargs(m.backbone_kwargs, cfg.data.crop_size)
-    k = cfg.kmeans.n_clusters
-    if k is not None and k != "auto" and not (isinstance(k, int) and k >= 2):
-        raise ConfigError(f"kmeans.n_clusters must be null, an integer >= 2 or auto, got {k!r}")
-    km = cfg.kmeans
-    if km.cluster_size is not None and not (km.balanced or km.eval_balanced):
-        raise ConfigError("kmeans.cluster_size is the balanced rounds' capacity, but kmeans.balanced and "
-                          "kmeans.eval_balanced are both false: drop it or set one of them true")  # fmt: skip
-    if cfg.data.source == "digits":
-        d = cfg.data.digits
-        if not 1 <= d.known_classes <= 9:
-            raise ConfigError(f"data.digits.known_classes must lie in 1..9, got {d.known_classes}")
-        if not 0.0 < d.labelled_prop <= 1.0:
-            raise ConfigError(f"data.digits.labelled_prop must lie in (0, 1], got {d.labelled_prop}")
-        if d.image_size < cfg.data.crop_size:
-            size, crop = d.image_size, cfg.data.crop_size
-            raise ConfigError(f"data.digits.image_size ({size}) must be >= data.crop_size ({crop}): raise it")
-    if cfg.data.resize is not None and cfg.data.resize < cfg.data.crop_size:
-        size, crop = cfg.data.resize, cfg.data.crop_size
-        raise ConfigError(f"data.resize ({size}) must be >= data.crop_size ({crop}): the crops lie inside the image")
-    if cfg.train.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
-
-
-def _check_backbone_kwargs(kwargs: dict, crop: int) -> None:
-    """timm.create_model's extra arguments: named by strings, and a ViT's `img_size` is the training crop (timm's
-    ViTs take inputs of exactly that size unless `dynamic_img_size` is set)."""
-    names = [name for name in kwargs if not isinstance(name, str)]
-    if names:
-        raise ConfigError(f"model.backbone_kwargs must map argument names of timm.create_model, got keys {names}")
-    size = kwargs.get("img_size")
-    if size is not None and not kwargs.get("dynamic_img_size") and size not in (crop, [crop, crop]):
-        raise ConfigError(
-            f"model.backbone_kwargs.img_size ({size}) must equal data.crop_size ({crop}), the size of the images the "
-            f"backbone takes: set --set model.backbone_kwargs.img_size={crop} (or dynamic_img_size: true)"
-        )
 
 
 def apply_overrides(values: dict, overrides: list[str]) -> dict:

@@ -27,6 +27,7 @@ from .config import Config, ConfigError
 from .data import InMemoryGCD, build_source
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.base import Batch, GCDSource
+from .discovery import unscored_parts
 from .kmeans import semi_supervised_kmeans
 from .loss import InfoSieveLoss, check_labelled_targets
 from .metrics import evaluate_split
@@ -191,6 +192,11 @@ def check_source_fits(cfg: Config, source: GCDSource) -> None:
             f"{source.n_train} train samples, so an epoch has no full batch: lower data.batch_size"
         )
     km = cfg.kmeans
+    if km.n_clusters is None and source.n_classes is None:
+        raise ConfigError(
+            "kmeans.n_clusters is null (K = the dataset's number of classes), but this data has an unlabelled pool, so "
+            "nobody knows that number: set kmeans.n_clusters=auto to estimate K, or to the number you expect"
+        )
     if km.cluster_size is not None and km.n_clusters != "auto":
         k = km.n_clusters or source.n_classes
         if km.cluster_size * k < source.n_train:
@@ -338,8 +344,9 @@ class Trainer:
                 )
                 self.n_clusters = estimate_k(feats.numpy(), targets.numpy(), labelled.numpy(), self.source.n_old)["k"]
                 if dist.is_main_process():
-                    print(f"kmeans.n_clusters=auto: estimated K = {self.n_clusters} (the dataset has "
-                          f"{self.source.n_classes} classes)")  # fmt: skip
+                    n = self.source.n_classes
+                    known = f"{n} classes" if n is not None else f"{self.source.n_old} known classes and a pool"
+                    print(f"kmeans.n_clusters=auto: estimated K = {self.n_clusters} (the dataset has {known})")
             else:
                 self.n_clusters = int(k)
         return self.n_clusters
@@ -375,6 +382,8 @@ class Trainer:
         unl = self.gather_table(fs, (~fs.labelled).long(), fill=0).bool()  # unlabelled and readable
         y = targets[unl]
         metrics = evaluate_split(y, clustering.labels[unl], y < self.source.n_old, self.cfg.train.eval_protocol)
+        for part in unscored_parts(y.cpu().numpy(), self.source.n_old):  # an unlabelled pool: null, never a 0
+            metrics[part] = None
         return Evaluation(metrics, clustering, targets, unl)
 
     @torch.no_grad()

@@ -35,12 +35,17 @@ SILHOUETTE_SAMPLE = 4000
 
 
 def labelled_accuracy(feats: torch.Tensor, targets: np.ndarray, labelled: np.ndarray, k: int, *, n_seeds: int,
-                      max_iter: int, seed: int) -> tuple[float, float]:  # fmt: skip
-    """(mean, standard error) over `n_seeds` k-means runs of the clustering accuracy on the labelled points."""
+                      max_iter: int, seed: int, labels_table: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> tuple[float, float]:  # fmt: skip
+    """(mean, standard error) over `n_seeds` k-means runs of the clustering accuracy on the labelled points.
+    `labels_table`: maps the k-means labels of `feats`' rows to the rows of `targets` and `labelled`, when those are
+    indexed otherwise (the trainer's tables by sample id, complete on every rank under torchrun, where `feats` holds
+    this rank's share); None: the same rows. Only `targets[labelled]` is read."""
     accs = []
     for s in range(n_seeds):
         res = semi_supervised_kmeans(feats, None, None, k, n_init=1, max_iter=max_iter, seed=seed + s)
-        accs.append(cluster_acc(targets[labelled], res.labels.cpu().numpy()[labelled]))
+        labels = res.labels if labels_table is None else labels_table(res.labels)
+        accs.append(cluster_acc(targets[labelled], labels.cpu().numpy()[labelled]))
     return float(np.mean(accs)), float(np.std(accs, ddof=1) / np.sqrt(n_seeds)) if n_seeds > 1 else 0.0
 
 

@@ -18,6 +18,9 @@ Conventions that the reference leaves undefined (it raises or returns NaN there)
   True where the sample's *true* class is an Old (known) class. Lengths must match. Labels are used as indices,
   so the matrix is ``D x D``: pass compact ids (as SS-k-means produces), not arbitrary large integers.
 * Values are Python floats in ``[0, 1]``.
+* **No label.** ``evaluate_split`` leaves out the samples whose true class is ``NO_LABEL`` (-1): images that carry no
+  label at all (the unlabelled pool of ``make-shards --dataset discovery``), which no accuracy can score. The rest
+  are scored as if those samples were absent. The other functions take no ``NO_LABEL``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 __all__ = [
+    "NO_LABEL",
     "PROTOCOLS",
     "SplitAcc",
     "cluster_acc",
@@ -37,6 +41,9 @@ __all__ = [
     "split_cluster_acc_v2",
     "split_cluster_acc_v2b",
 ]
+
+
+NO_LABEL = -1  # the target of an image with no label at all: never a class, never scored
 
 
 class SplitAcc(NamedTuple):
@@ -205,9 +212,19 @@ PROTOCOLS: dict[str, Callable[[Any, Any, Any], SplitAcc]] = {
 
 def evaluate_split(y_true: Any, y_pred: Any, mask: Any, protocol: str = "v2") -> dict[str, float]:
     """All/Old/New accuracy under ``protocol`` ("v1", "v2" or "v2b"), as ``{"all": .., "old": .., "new": ..}``
-    of plain floats (JSON-ready). ``mask`` is True where the sample's true class is Old."""
+    of plain floats (JSON-ready). ``mask`` is True where the sample's true class is Old. Samples whose ``y_true`` is
+    ``NO_LABEL`` are left out (they have no class to be scored against)."""
     try:
         fn = PROTOCOLS[protocol]
     except (KeyError, TypeError):
         raise ValueError(f"unknown metric protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}") from None
-    return fn(y_true, y_pred, mask)._asdict()
+    return fn(*_with_labels(y_true, y_pred, mask))._asdict()
+
+
+def _with_labels(y_true: Any, y_pred: Any, mask: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The samples of (y_true, y_pred, mask) whose true class is known (``y_true != NO_LABEL``)."""
+    t, p, m = _to_numpy(y_true, "y_true"), _to_numpy(y_pred, "y_pred"), _to_numpy(mask, "mask")
+    if not len(t) == len(p) == len(m):
+        raise ValueError(f"y_true, y_pred and mask must have one length, got {len(t)}, {len(p)} and {len(m)}")
+    known = t != NO_LABEL
+    return t[known], p[known], m[known]

@@ -35,3 +35,33 @@ def cuda_matmul_tf32_allowed() -> bool:
     if has_fp32_precision_api():
         return torch.backends.cuda.matmul.fp32_precision == "tf32"
     return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def cudnn_conv_tf32_allowed() -> bool:
+    """Whether cuDNN fp32 convolutions may use TF32: `torch.backends.cudnn.conv.fp32_precision` where this torch has
+    it (a read of the legacy `allow_tf32` raises once the two APIs were mixed), else the legacy flag."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        return conv.fp32_precision == "tf32"
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+def float32_matmul_precision() -> str:
+    """`torch.get_float32_matmul_precision()` ("highest" | "high" | "medium"). torch refuses to answer once the legacy
+    and new APIs were mixed; then the new API's matmul settings, as "cuda=<fp32_precision> mkldnn=<fp32_precision>"."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        cuda, mkldnn = torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision
+        return f"cuda={cuda} mkldnn={mkldnn}"
+
+
+def precision_flags() -> dict:
+    """The process's fp32 precision switches, as a run's fingerprint records them: TF32 in CUDA matmuls and in cuDNN
+    convolutions, and the float32 matmul precision (which torch keeps beside the TF32 switches; on the CPU "medium"
+    lets oneDNN matmuls run in bf16)."""
+    return {
+        "tf32_matmul": cuda_matmul_tf32_allowed(),
+        "tf32_cudnn": cudnn_conv_tf32_allowed(),
+        "float32_matmul_precision": float32_matmul_precision(),
+    }

@@ -47,6 +47,7 @@ from .data.decode import pad_into
 from .data.intake import SHARD_SUFFIXES, is_manifest_folder, parse_image_keys, shard_paths
 from .data.stream import decode_image
 from .data.tar import IMAGE_KEYS, image_members, read_span
+from .discovery import cluster_name
 from .engine import resolve_device
 from .model import InfoSieve
 from .tree import code_strings
@@ -203,10 +204,9 @@ def predict(run_dir: str | Path, images: str | Path, out: str | Path, batch_size
         prefixes = code_strings(raw, mask)
         for p, c, m, code, prefix in zip(paths, cluster, margin, codes, prefixes, strict=True):
             counts[c] += 1
-            name = names[c] if c < n_old and c < len(names) else f"novel-{c}"
             path = [prefix[: i + 1] for i in range(len(prefix))]
-            records.append({"path": p, "cluster": c, "name": name, "margin": round(m, 6), "code": code,
-                            "prefix": prefix, "tree_path": path})  # fmt: skip
+            records.append({"path": p, "cluster": c, "name": cluster_name(c, names, n_old), "margin": round(m, 6),
+                            "code": code, "prefix": prefix, "tree_path": path})  # fmt: skip
     bar.close()
     _write(out, records)
     return {"images": len(items), "written": len(records), "skipped": len(items) - len(records), "out": str(out),

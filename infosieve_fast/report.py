@@ -8,6 +8,9 @@ It shows what the run folder records:
 - the confusion matrix of the final clustering of the unlabelled train samples;
 - the implicit category tree as a picture, depth-limited, in the style of the paper's Figure 2. Node area is the
   number of samples, colour is purity, and the label names the majority class.
+On a run of your own images (`make-shards --dataset discovery`: an unlabelled pool with no labels) the parts of
+All/Old/New that no label can score read "not computed", with the reason, and a section shows what is knowable
+instead: the held-out accuracy and the clusters with their names, sizes and margins (`discovery.py`).
 
 The final clustering and the tree come from `RUN/clustering.npz` and `RUN/tree.json` when present. Otherwise they
 are computed from the checkpoint.
@@ -22,12 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
+from .best_checkpoint import describe_run
 from .checkpoint import read_log
+from .discovery import run_pool_section, unscored_notes, unscored_parts
+from .metrics import NO_LABEL
 
 TREE_DEPTH = 4
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display
@@ -36,19 +42,32 @@ def _pyplot():
     return plt
 
 
-def _series(log: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["epoch"] + 1, r[key]) for r in log if r.get(key) is not None]
+def series(log: list[dict], key: str, part: str | None = None) -> tuple[list[int], list[float]]:
+    """Epochs (1-based) and values of log.jsonl's `key`, or of its entry `part` when the key holds a dict (`eval`,
+    `eval_codes`); epochs without it are left out."""
+    values = [(r["epoch"] + 1, r.get(key) if part is None else (r.get(key) or {}).get(part)) for r in log]
+    pts = [(epoch, v) for epoch, v in values if v is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def accuracy_points(log: list[dict], metrics: dict | None, part: str) -> list[tuple[int, float]]:
+    """(epoch, accuracy) of `part` ("all", "old" or "new") on the unlabelled train samples: before training (epoch
+    0, from metrics.json), every `train.eval_every` epochs (log.jsonl's `eval`) and after training (metrics.json)."""
+    last = max((r["epoch"] + 1 for r in log), default=0)
+    pts = [(r["epoch"] + 1, r["eval"][part]) for r in log if isinstance(r.get("eval"), dict)]
+    if metrics is not None:
+        pts = [(0, metrics["before"][part]), *pts, (last, metrics["after"][part])]
+    return sorted(set(pts))
+
+
 def plot_losses(log: list[dict], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     keys = sorted({k for r in log for k in r if k.startswith("loss_")})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for key in keys:
         part = key.endswith(("_infonce", "_supcon_gt", "_supcon_pseudo"))  # of the contrastive terms
         ax = axes[1] if part else axes[0]
-        ax.plot(*_series(log, key), marker=".", label=key.removeprefix("loss_"))
+        ax.plot(*series(log, key), marker=".", label=key.removeprefix("loss_"))
     for ax, title in zip(axes, ("loss terms (weighted into the total)", "parts of the contrastive terms"), strict=True):
         ax.set(title=title, xlabel="epoch", yscale="log")
         ax.legend(fontsize=7, ncol=2)
@@ -58,27 +77,27 @@ def plot_losses(log: list[dict], path: Path) -> None:
 
 
 def plot_schedules(log: list[dict], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(14, 3))
     for ax, key in zip(axes, ("lr", "age", "base", "kmeans_inertia"), strict=True):
-        ax.plot(*_series(log, key), marker=".")
+        ax.plot(*series(log, key), marker=".")
         ax.set(title=key if key != "kmeans_inertia" else "k-means inertia", xlabel="epoch")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def plot_accuracy(log: list[dict], metrics: dict | None, path: Path) -> None:
-    """Unlabelled train samples (solid: before, `train.eval_every` epochs, after) and the test split (dashed)."""
-    plt = _pyplot()
+def plot_accuracy(log: list[dict], metrics: dict | None, path: Path, unscored=()) -> None:
+    """Unlabelled train samples (solid: before, `train.eval_every` epochs, after) and the test split (dashed);
+    `unscored`: the parts no label could score (left out, not drawn as zeros)."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    last = max((r["epoch"] + 1 for r in log), default=0)
     for part, colour in (("all", "k"), ("old", "tab:blue"), ("new", "tab:orange")):
-        pts = [(r["epoch"] + 1, r["eval"][part]) for r in log if isinstance(r.get("eval"), dict)]
-        if metrics is not None:
-            pts = [(0, metrics["before"][part]), *pts, (last, metrics["after"][part])]
+        if part in unscored:
+            continue
+        pts = accuracy_points(log, metrics, part)
         if pts:
-            ax.plot(*zip(*sorted(set(pts)), strict=True), marker="o", color=colour, label=part.capitalize())
+            ax.plot(*zip(*pts, strict=True), marker="o", color=colour, label=part.capitalize())
         test = [(r["epoch"] + 1, r["eval_test"][part]) for r in log if isinstance(r.get("eval_test"), dict)]
         if test:
             ax.plot(*zip(*test, strict=True), marker="x", ls="--", color=colour, label=f"{part.capitalize()} (test)")
@@ -93,7 +112,7 @@ def plot_confusion(targets: np.ndarray, preds: np.ndarray, n_old: int, path: Pat
     """Rows: true classes (known first); columns: clusters in the Hungarian-matched order."""
     from scipy.optimize import linear_sum_assignment
 
-    plt = _pyplot()
+    plt = pyplot()
     n_cls, n_clu = int(targets.max()) + 1, int(preds.max()) + 1
     counts = np.zeros((n_cls, n_clu), np.int64)
     np.add.at(counts, (targets, preds), 1)
@@ -135,14 +154,14 @@ def node_label(node: dict, class_names: list[str] | None) -> str:
     """A tree node's caption: its prefix, its majority class (by name when known) and its size. `node["classes"]`
     maps class index to count; its keys are strings once the tree has been through JSON."""
     top = int(max(node["classes"], key=node["classes"].get)) if node["classes"] else None
-    name = class_names[top] if class_names is not None and top is not None else str(top)
+    name = "no labels" if top is None else class_names[top] if class_names is not None else str(top)
     return f"{node['prefix'] or 'root'}\n{name[:14]}\nn={node['n']}"
 
 
 def plot_tree(tree: dict, path: Path, depth: int = TREE_DEPTH) -> None:
     """The code-prefix tree: one node per prefix down to `depth`; area ~ samples, colour = purity, label = majority
     class (by the names `infosieve tree` stores in the tree, else by index)."""
-    plt = _pyplot()
+    plt = pyplot()
     names = tree.get("class_names")
     nodes, edges = _layout(tree, depth)
     width = max(x for _, x, _ in nodes) + 1
@@ -153,7 +172,8 @@ def plot_tree(tree: dict, path: Path, depth: int = TREE_DEPTH) -> None:
         ax.plot([x0, x1], [y0, y1], color="0.6", lw=1, zorder=1)
     for node, x, level in nodes:
         area = 60 + 2400 * node["n"] / total  # points²: a circle of diameter sqrt(area) points
-        ax.scatter([x], [-level], s=area, color=cmap(node["purity"]), edgecolor="k", zorder=2)
+        colour = "0.85" if node["purity"] is None else cmap(node["purity"])  # None: no member has a label
+        ax.scatter([x], [-level], s=area, color=colour, edgecolor="k", zorder=2)
         ax.annotate(node_label(node, names), (x, -level), ha="center", va="top", xytext=(0, -(area**0.5 / 2 + 3)),
                     textcoords="offset points", fontsize=7)  # fmt: skip
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, 1))
@@ -166,18 +186,30 @@ def plot_tree(tree: dict, path: Path, depth: int = TREE_DEPTH) -> None:
     plt.close(fig)
 
 
-def _img(path: Path, alt: str) -> str:
+def figure_html(path: Path, alt: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     return f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"><figcaption>' \
            f"{html.escape(alt)}</figcaption></figure>"  # fmt: skip
 
 
+def html_page(title: str, body: str) -> str:
+    """A self-contained page around `body` (HTML), in the style `infosieve report` and `infosieve compare` share."""
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+        "body{font-family:sans-serif;max-width:1300px;margin:auto}img{max-width:100%}td,th{padding:2px 10px}"
+        "table{border-collapse:collapse}tr:nth-child(even){background:#f4f4f4}"
+        f"</style></head><body>{body}</body></html>"
+    )
+
+
 def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict | None = None,
-                 depth: int = TREE_DEPTH) -> Path:  # fmt: skip
+                 depth: int = TREE_DEPTH, checkpoint: str = "last") -> Path:  # fmt: skip
     """Write `RUN/report.html` and `RUN/report/*.png`; returns the HTML's path.
 
     `clustering`: {"targets", "preds", "n_old"} of the unlabelled train samples; `tree`: `tree.build_tree`'s output.
-    Missing ones are read from the run folder (`clustering.npz`, `tree.json`) or left out of the page with a note."""
+    Missing ones are read from the run folder (`clustering.npz`, `tree.json`) or left out of the page with a note.
+    `checkpoint="best"`: the clustering, the tree and an All/Old/New row are computed from RUN/checkpoint-best.pt
+    (`best_checkpoint_view`); the page names the checkpoint it shows either way."""
     run = Path(run_dir)
     log_path = run / "log.jsonl"
     if not log_path.is_file():
@@ -189,17 +221,24 @@ def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict
             clustering = {k: z[k] for k in z.files}
     if tree is None and (run / "tree.json").is_file():
         tree = json.loads((run / "tree.json").read_text())
+    read, read_metrics = describe_run(run, "last"), None
+    if checkpoint == "best":
+        read, read_metrics, clustering, tree = best_checkpoint_view(run, depth)
     out = run / "report"
     out.mkdir(exist_ok=True)
+    unscored = unscored_parts(clustering["targets"], int(clustering["n_old"])) if clustering is not None else {}
     figures = [("losses.png", "every loss term per epoch", lambda p: plot_losses(log, p)),
-               ("schedules.png", "lr, age and base schedules; k-means inertia", lambda p: plot_schedules(log, p)),
-               ("accuracy.png", "All / Old / New", lambda p: plot_accuracy(log, metrics, p))]  # fmt: skip
-    notes = []
-    if clustering is not None:
+               ("schedules.png", "lr, age and base schedules; k-means inertia", lambda p: plot_schedules(log, p))]
+    if len(unscored) < 3:
+        figures.append(("accuracy.png", "All / Old / New", lambda p: plot_accuracy(log, metrics, p, unscored)))
+    notes = unscored_notes(unscored)
+    if clustering is not None and "all" not in unscored:
+        labelled = np.asarray(clustering["targets"]) != NO_LABEL  # the confusion matrix's rows are true classes
         figures.append(("confusion.png", "confusion matrix of the final clustering (unlabelled samples)",
-                        lambda p: plot_confusion(np.asarray(clustering["targets"]), np.asarray(clustering["preds"]),
+                        lambda p: plot_confusion(np.asarray(clustering["targets"])[labelled],
+                                                 np.asarray(clustering["preds"])[labelled],
                                                  int(clustering["n_old"]), p)))  # fmt: skip
-    else:
+    elif clustering is None:
         notes.append("no final clustering recorded (the run has not finished)")
     if tree is not None:
         figures.append(("tree.png", f"implicit category tree to depth {depth}",
@@ -209,20 +248,43 @@ def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict
     body = []
     for name, caption, draw in figures:
         draw(out / name)
-        body.append(_img(out / name, caption))
+        body.append(figure_html(out / name, caption))
     table = ""
     if metrics is not None:
-        rows = "".join(f"<tr><td>{s}</td>" + "".join(f"<td>{metrics[s][k]:.4f}</td>" for k in ("all", "old", "new"))
+        rows = "".join(f"<tr><td>{s}</td>" + "".join("<td>not computed</td>" if k in unscored else
+                                                     f"<td>{metrics[s][k]:.4f}</td>" for k in ("all", "old", "new"))
                        + "</tr>" for s in ("before", "after"))  # fmt: skip
         table = f"<table><tr><th></th><th>All</th><th>Old</th><th>New</th></tr>{rows}</table>"
-    page = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>infosieve report</title><style>"
-        "body{font-family:sans-serif;max-width:1300px;margin:auto}img{max-width:100%}td,th{padding:2px 10px}"
-        f"</style></head><body><h1>{html.escape(str(run))}</h1>{table}"
-        + "".join(f"<p><em>{html.escape(n)}</em></p>" for n in notes)
-        + "".join(body)
-        + "</body></html>"
-    )
+    if clustering is not None and (np.asarray(clustering["targets"]) == NO_LABEL).any():
+        table += run_pool_section(run, clustering)
+    notes_html = "".join(f"<p><em>{html.escape(n)}</em></p>" for n in notes)
+    head = f"<h1>{html.escape(str(run))}</h1>{checkpoint_html(read, read_metrics)}"
+    page = html_page("infosieve report", f"{head}{table}{notes_html}{''.join(body)}")
     path = run / "report.html"
     path.write_text(page)
     return path
+
+
+def best_checkpoint_view(run: Path, depth: int) -> tuple[str, dict, dict, dict]:
+    """What the report shows of RUN/checkpoint-best.pt: (what was read, its All/Old/New on the unlabelled train
+    samples, that clustering as `write_report` takes it, its tree to `depth`)."""
+    from .run_folder import read_run, trainer_tree
+
+    trainer, read = read_run(run, "best")
+    ev = trainer.evaluate_full()
+    unl = ev.unlabelled
+    clustering = {"targets": ev.targets[unl].cpu().numpy(), "preds": ev.clustering.labels[unl].cpu().numpy(),
+                  "n_old": trainer.source.n_old}  # fmt: skip
+    return read, ev.metrics, clustering, trainer_tree(trainer, depth)
+
+
+def checkpoint_html(read: str, metrics: dict | None) -> str:
+    """The checkpoint the page shows ("last, epoch E" or "best (criterion, epoch E)"), with the best's All/Old/New."""
+    text = f"<p>checkpoint: <b>{html.escape(read)}</b></p>"
+    if metrics is None:
+        return text
+    cells = "".join("<td>not computed</td>" if metrics[k] is None else f"<td>{metrics[k]:.4f}</td>"
+                    for k in ("all", "old", "new"))  # fmt: skip
+    return (f"{text}<p><em>The confusion matrix and the tree are of this checkpoint's weights; the curves and the "
+            f"before/after table cover the whole run (after: the last checkpoint).</em></p><table><tr><th></th>"
+            f"<th>All</th><th>Old</th><th>New</th></tr><tr><td>{html.escape(read)}</td>{cells}</tr></table>")

@@ -2,8 +2,10 @@
 `trainer_from_run` and `code_tree` read a run back. Every rank makes the same calls; only rank 0 writes and prints.
 
 RUN/config.yaml      the run's config: written when the run opens, rewritten by a resume's `--set`
+RUN/fingerprint.json the environment the run started in (fingerprint.py); each resume's in fingerprint-resumes.jsonl
 RUN/log.jsonl        one line per finished epoch (`Trainer.train_epoch`'s record, `evaluate_epoch`'s entries)
 RUN/checkpoint.pt    after every epoch, and after the final evaluation (with its k-means centres)
+RUN/checkpoint-best.pt, RUN/best.json   the best epoch by `checkpoint.best`'s criterion (best_checkpoint.py)
 RUN/resumes.jsonl    one line per resume with `--set`: the epoch it continued at, the strings and what they changed
 RUN/unreadable.json  the train samples that could not be read (only when there are some)
 RUN/metrics.json     All/Old/New before and after training: the run's result
@@ -23,6 +25,9 @@ import torch
 
 from . import checkpoint as ckpt
 from . import distributed as dist
+from . import fingerprint
+from .best_checkpoint import BEST, BEST_CHECKPOINT, BestCheckpoint, write_best
+from .best_checkpoint import load as load_run_checkpoint
 from .config import Config, ConfigError, config_drift, from_saved, save_config
 from .data.base import GCDSource
 from .engine import Evaluation, Trainer, resolve_device, status_line, wants_cuda
@@ -32,7 +37,7 @@ from .tree import build_tree, code_strings
 CONFIG, LOG, METRICS, RESUMES = "config.yaml", "log.jsonl", "metrics.json", "resumes.jsonl"
 UNREADABLE, CLUSTERING, TENSORBOARD = "unreadable.json", "clustering.npz", "tensorboard"
 # what a run killed before its first checkpoint can leave; a folder holding only these is started again
-_LEFTOVERS = {CONFIG, LOG, RESUMES, UNREADABLE, TENSORBOARD}
+_LEFTOVERS = {CONFIG, LOG, RESUMES, UNREADABLE, TENSORBOARD, fingerprint.FINGERPRINT, BEST_CHECKPOINT, BEST}
 
 
 def train(
@@ -83,10 +88,16 @@ def _train(
         start, before = state["epoch"], state["before"]
     else:
         start, before = 0, open_new_run(trainer, run_dir)
-    if not train_epochs(trainer, run_dir, start, before, stop_after):
+    best = BestCheckpoint(trainer, state)
+    if state is not None and dist.is_main_process():
+        best.restore_files(run_dir, state)
+    if not train_epochs(trainer, run_dir, start, before, stop_after, best):
         return None
-    metrics = final_evaluation(trainer, run_dir, before)
+    metrics = final_evaluation(trainer, run_dir, before, best)
     if dist.is_main_process():
+        if best.enabled:
+            print(f"best checkpoint: {best.best['criterion']} {best.best['value']:.6g} at epoch {best.best['epoch']}, "
+                  f"in {run_dir / BEST_CHECKPOINT} (read it with --checkpoint best)")  # fmt: skip
         print_finished(run_dir, time.perf_counter() - started, None if state is None else start, cfg.schedule.epochs)
     dist.barrier()
     return metrics
@@ -105,7 +116,7 @@ def prepare_new_folder(run_dir: Path, device: torch.device) -> None:
     if run_dir.is_dir() and any(run_dir.iterdir()) and dist.is_main_process():
         print(f"{run_dir} holds no checkpoint (the run was stopped before its first epoch ended): starting it again")
         ckpt.remove_temporary_files(run_dir)
-        for name in (LOG, UNREADABLE):
+        for name in (LOG, UNREADABLE, BEST_CHECKPOINT, BEST):
             (run_dir / name).unlink(missing_ok=True)
 
 
@@ -116,10 +127,12 @@ def _restartable(run_dir: Path) -> bool:
 
 
 def open_new_run(trainer: Trainer, run_dir: Path) -> dict[str, float]:
-    """Create the folder with its config.yaml, and return the untrained model's All/Old/New (the "before" row)."""
+    """Create the folder with its config.yaml and fingerprint.json, and return the untrained model's All/Old/New (the
+    "before" row)."""
     if dist.is_main_process():
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(trainer.cfg, run_dir / CONFIG)
+        fingerprint.write(run_dir, fingerprint.collect(trainer.cfg, trainer.device, dist.get_world_size()))
     with status_line("before training: test-view feature pass + SS-k-means"):
         before = trainer.evaluate()
     print_table({"before": before}, trainer.cfg.train.eval_protocol)
@@ -136,6 +149,8 @@ def resume_run(cfg: Config, run_dir: Path, overrides: list[str], device: torch.d
     if state["epoch"] >= cfg.schedule.epochs and (run_dir / METRICS).is_file() and not changed:
         return state, True
     reopen_run(cfg, run_dir, state["epoch"], overrides, changed)
+    if dist.is_main_process():
+        fingerprint.record_resume(run_dir, cfg, device, dist.get_world_size(), state["epoch"])
     return state, False
 
 
@@ -150,6 +165,12 @@ def check_drift(cfg: Config, state: dict, run_dir: Path, overrides: list[str]) -
         raise ConfigError(
             f"--set {', '.join(fixed)} on resume: the checkpoint's weights and optimizer state are built for the saved "
             "network and optimizer, so they cannot continue with these changed; start a new run with --config instead"
+        )
+    chosen = [k for k in explained if k.startswith("checkpoint.")]
+    if chosen:
+        raise ConfigError(
+            f"--set {', '.join(chosen)} on resume: the best checkpoint's criterion (and the labelled images it holds "
+            "out of training) is fixed for a run's whole length; start a new run with --config instead"
         )
     refused = {k: v for k, v in drift.items() if k not in explained and not (k in recorded and recorded[k] == v[1])}
     if refused:
@@ -200,31 +221,46 @@ def reopen_run(cfg: Config, run_dir: Path, start: int, overrides: list[str], cha
 
 # ------------------------------------------------------------------------------------------------ the epochs
 def train_epochs(
-    trainer: Trainer, run_dir: Path, start: int, before: dict, stop_after: Callable[[int], bool] | None
+    trainer: Trainer,
+    run_dir: Path,
+    start: int,
+    before: dict,
+    stop_after: Callable[[int], bool] | None,
+    best: BestCheckpoint,
 ) -> bool:
-    """The epochs from `start` on, each logged and checkpointed; False when `stop_after` ended the run early. However
-    they end, the last checkpoint is durable when this returns (or raises)."""
+    """The epochs from `start` on, each logged, checkpointed and judged by `best`; False when `stop_after` ended the run
+    early. However they end, the last checkpoint is durable when this returns (or raises)."""
     try:
-        return _train_epochs(trainer, run_dir, start, before, stop_after)
+        return _train_epochs(trainer, run_dir, start, before, stop_after, best)
     finally:
         ckpt.wait_for_checkpoint()
 
 
 def _train_epochs(
-    trainer: Trainer, run_dir: Path, start: int, before: dict, stop_after: Callable[[int], bool] | None
+    trainer: Trainer,
+    run_dir: Path,
+    start: int,
+    before: dict,
+    stop_after: Callable[[int], bool] | None,
+    best: BestCheckpoint,
 ) -> bool:
     cfg = trainer.cfg
     main = dist.is_main_process()
     board = tensorboard_writer(run_dir, start) if cfg.train.tensorboard and main else None
     for epoch in range(start, cfg.schedule.epochs):
-        record = trainer.train_epoch(epoch)
+        per_epoch_peak = reset_peak_memory(trainer.device)
+        with best.training(trainer):
+            record = trainer.train_epoch(epoch)
+        best.judge(trainer, record)
         every = cfg.train.eval_every
         if every and (epoch + 1) % every == 0:
             record.update(trainer.evaluate_epoch())
+        if per_epoch_peak:
+            record.update(peak_memory(trainer.device))
         if board is not None:
             log_scalars(board, record)
         if main:
-            write_epoch(run_dir, trainer, record, before)
+            write_epoch(run_dir, trainer, record, before, best)
             print(
                 f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
                 f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
@@ -237,15 +273,43 @@ def _train_epochs(
     return True
 
 
-def write_epoch(run_dir: Path, trainer: Trainer, record: dict, before: dict) -> None:
-    """An epoch's unreadable list, log line and checkpoint. The log line first: a kill between the two leaves a line
-    the checkpoint lacks, dropped on resume (the other order would lose the epoch's line). With
-    `train.background_checkpoint` the checkpoint (a host snapshot taken here) is written while the next epoch runs: a
-    kill before it is durable is the same case, the run resumes from the previous checkpoint and drops this line."""
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start an epoch's peak memory: the CUDA allocator's peak on a GPU, this process's peak resident set (Linux's
+    VmHWM) on the CPU. False where the peak cannot be reset (then no peak is logged: it would not be the epoch's)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # "5" resets VmHWM to the current resident set
+    except OSError:  # not Linux, or not permitted here
+        return False
+    return True
+
+
+def peak_memory(device: torch.device) -> dict:
+    """The log line's peak memory of this process since `reset_peak_memory`: `peak_gpu_bytes`
+    (torch.cuda.max_memory_allocated) on a GPU, `peak_rss_bytes` (VmHWM) on the CPU. Under DDP: rank 0's."""
+    if device.type == "cuda":
+        return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device)}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return {"peak_rss_bytes": int(line.split()[1]) * 1024}  # the kernel reports kB (KiB)
+    return {}
+
+
+def write_epoch(run_dir: Path, trainer: Trainer, record: dict, before: dict, best: BestCheckpoint) -> None:
+    """An epoch's unreadable list, log line and checkpoint, then the best checkpoint when the epoch is the new best.
+    The log line first: a kill between the two leaves a line the checkpoint lacks, dropped on resume (the other order
+    would lose the epoch's line). With `train.background_checkpoint` the checkpoint (a host snapshot taken here) is
+    written while the next epoch runs: a kill before it is durable is the same case, the run resumes from the previous
+    checkpoint and drops this line (and trains the epoch again, which rewrites the best files identically)."""
     write_unreadable(run_dir, trainer)
     ckpt.append_log(run_dir / LOG, record)
     save = ckpt.save_checkpoint_in_background if trainer.cfg.train.background_checkpoint else ckpt.save_checkpoint
-    save(run_dir, trainer.state_dict(record["epoch"] + 1, before))
+    state = best.stamp(trainer.state_dict(record["epoch"] + 1, before))
+    save(run_dir, state)
+    if best.holds(state):
+        write_best(run_dir, state)
 
 
 def write_unreadable(run_dir: Path, trainer: Trainer) -> None:
@@ -270,23 +334,24 @@ def log_scalars(board, record: dict) -> None:
     for key, value in record.items():
         if isinstance(value, dict):
             for part, v in value.items():
-                board.add_scalar(f"{key}/{part}", v, step)
+                if v is not None:  # a part no label can score
+                    board.add_scalar(f"{key}/{part}", v, step)
         elif key != "epoch" and isinstance(value, int | float):
             board.add_scalar(key, value, step)
     board.flush()
 
 
 # ------------------------------------------------------------------------------------------------ the end
-def final_evaluation(trainer: Trainer, run_dir: Path, before: dict) -> dict:
-    """All/Old/New after training; rank 0 saves the checkpoint again with the final centres, the clustering and
-    metrics.json (the run's result, returned)."""
+def final_evaluation(trainer: Trainer, run_dir: Path, before: dict, best: BestCheckpoint) -> dict:
+    """All/Old/New after training; rank 0 saves the checkpoint again with the final centres (and `best`'s record), the
+    clustering and metrics.json (the run's result, returned)."""
     cfg = trainer.cfg
     with status_line("after training: test-view feature pass + SS-k-means"):
         final = trainer.evaluate_full()
     metrics = {"before": before, "after": final.metrics, "protocol": cfg.train.eval_protocol}
     trainer.centers = final.clustering.centers.cpu()
     if dist.is_main_process():
-        ckpt.save_checkpoint(run_dir, trainer.state_dict(cfg.schedule.epochs, before))
+        ckpt.save_checkpoint(run_dir, best.stamp(trainer.state_dict(cfg.schedule.epochs, before)))
         write_clustering(run_dir, final, trainer.source.n_old)
         ckpt.write_json(run_dir / METRICS, metrics)
     print_table({"before": before, "after": final.metrics}, cfg.train.eval_protocol)
@@ -304,12 +369,13 @@ def write_clustering(run_dir: Path, final: Evaluation, n_old: int) -> None:
     ckpt.atomic_write(run_dir / CLUSTERING, lambda f: np.savez(f, n_old=n_old, **arrays))
 
 
-def print_table(metrics: dict[str, dict[str, float]], protocol: str) -> None:
+def print_table(metrics: dict[str, dict[str, float | None]], protocol: str) -> None:
+    """All/Old/New per row; n/a for a part no label can score (an unlabelled pool's)."""
     if not dist.is_main_process():
         return
     print(f"\n{'accuracy (' + protocol + ')':<16}{'All':>8}{'Old':>8}{'New':>8}")
     for name, m in metrics.items():
-        print(f"{name:<16}{m['all']:>8.4f}{m['old']:>8.4f}{m['new']:>8.4f}")
+        print(f"{name:<16}" + "".join("     n/a" if m[p] is None else f"{m[p]:>8.4f}" for p in ("all", "old", "new")))
 
 
 def print_finished(run_dir: Path, seconds: float, resumed_at: int | None, epochs: int) -> None:
@@ -337,20 +403,30 @@ def print_next_steps(run_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ read a run back
-def trainer_from_run(run_dir: str | Path) -> Trainer:
-    """A trainer holding a run folder's last checkpoint (its config and weights), for commands that read a run."""
-    state = ckpt.load_checkpoint(run_dir)
+def trainer_from_run(run_dir: str | Path, checkpoint: str = "last") -> Trainer:
+    """A trainer holding a run folder's last (or best) checkpoint (its config and weights), for commands that read a
+    run."""
+    return read_run(run_dir, checkpoint)[0]
+
+
+def read_run(run_dir: str | Path, checkpoint: str = "last") -> tuple[Trainer, str]:
+    """`trainer_from_run`, and what it read: "last, epoch E" or "best (criterion, epoch E)"."""
+    state, read = load_run_checkpoint(run_dir, checkpoint)
     trainer = Trainer(from_saved(state["config"]), pretrained=False)
     trainer.load_model_state(state)
-    return trainer
+    return trainer, read
 
 
-def code_tree(run_dir: str | Path, max_depth: int = 8) -> dict:
-    """The implicit category tree of a run's checkpoint: codes of the train samples (test view), cut by the mask.
+def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last") -> dict:
+    """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`."""
+    return trainer_tree(trainer_from_run(run_dir, checkpoint), max_depth)
+
+
+def trainer_tree(trainer: Trainer, max_depth: int = 8) -> dict:
+    """The implicit category tree of a trainer's weights: codes of the train samples (test view), cut by the mask.
     The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples)."""
     from .code_metrics import code_features, evaluate_codes
 
-    trainer = trainer_from_run(run_dir)
     fs = code_features(trainer)
     length = trainer.cfg.model.code_length
     tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)

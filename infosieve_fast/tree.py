@@ -11,6 +11,8 @@ from collections import Counter
 import torch
 from torch import Tensor
 
+from .metrics import NO_LABEL
+
 
 def code_strings(code_raw: Tensor, mask: Tensor, threshold: float = 0.5) -> list[str]:
     """Each row's code as a '0'/'1' string, truncated before the first digit whose mask is below `threshold`."""
@@ -28,7 +30,9 @@ def build_tree(codes: list[str], targets: list[int] | Tensor, max_depth: int) ->
     """Nested nodes {"prefix", "n", "ends", "classes", "purity", "children"} down to `max_depth` digits.
 
     `n` counts the samples whose code starts with the prefix, `ends` those whose code is exactly the prefix (or is cut
-    at `max_depth`), `classes` the target counts among the `n`, `purity` the majority class's share.
+    at `max_depth`), `classes` the target counts among the `n`, `purity` the majority class's share of them. Samples
+    whose target is `NO_LABEL` (no label at all) count in `n` and `ends` only; a node with none but them has no
+    classes and purity None.
     """
     targets = targets.tolist() if isinstance(targets, Tensor) else list(targets)
     if len(codes) != len(targets):
@@ -37,7 +41,7 @@ def build_tree(codes: list[str], targets: list[int] | Tensor, max_depth: int) ->
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
 
     def node(prefix: str, members: list[int]) -> dict:
-        classes = Counter(targets[i] for i in members)
+        classes = Counter(targets[i] for i in members if targets[i] != NO_LABEL)
         depth = len(prefix)
         ends = [i for i in members if len(codes[i]) == depth or depth == max_depth]
         out = {
@@ -45,7 +49,7 @@ def build_tree(codes: list[str], targets: list[int] | Tensor, max_depth: int) ->
             "n": len(members),
             "ends": len(ends),
             "classes": dict(sorted(classes.items())),
-            "purity": max(classes.values()) / len(members) if members else 0.0,
+            "purity": max(classes.values()) / classes.total() if classes else (0.0 if not members else None),
             "children": [],
         }
         if depth < max_depth:
@@ -66,7 +70,8 @@ def format_tree(tree: dict, class_names: list[str] | None = None) -> str:
         top = max(n["classes"], key=n["classes"].get) if n["classes"] else None
         name = class_names[top] if class_names is not None and top is not None else top
         indent = "  " * len(n["prefix"])
-        lines.append(f"{indent}{n['prefix'] or '(root)'}  n={n['n']}  ends={n['ends']}  top={name} ({n['purity']:.2f})")
+        purity = "no labels" if n["purity"] is None else f"{n['purity']:.2f}"
+        lines.append(f"{indent}{n['prefix'] or '(root)'}  n={n['n']}  ends={n['ends']}  top={name} ({purity})")
         for child in n["children"]:
             walk(child)
 

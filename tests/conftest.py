@@ -5,6 +5,8 @@ same tests exercise the real kernels on a CUDA machine and the interpreter on th
 """
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,25 @@ def realdata() -> Path:
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="session")
+def screenshot():
+    """`screenshot(page, png, width, height)`: `page` rendered by headless Chromium into `png`.
+
+    Where no Chromium is installed (apt-get install chromium) the call skips the rest of the test; with
+    INFOSIEVE_REQUIRE_CHROMIUM=1 (set by CI) it fails it instead."""
+
+    def render(page: Path, png: Path, width: int, height: int) -> Path:
+        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+        if chromium is None:
+            reason = "no headless chromium here (apt-get install chromium)"
+            if os.environ.get("INFOSIEVE_REQUIRE_CHROMIUM") == "1":
+                pytest.fail(f"{reason} (INFOSIEVE_REQUIRE_CHROMIUM=1 forbids skipping)", pytrace=False)
+            pytest.skip(reason)
+        cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={png}",
+               f"--window-size={width},{height}", page.as_uri()]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        return png
+
+    return render

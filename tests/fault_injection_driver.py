@@ -66,7 +66,8 @@ def patch(kind: str, n: int) -> None:
     """In the child: make the n-th call of `kind`'s function kill the process."""
     import torch
 
-    from infosieve_fast import checkpoint, engine, kmeans
+    from infosieve_fast import checkpoint, engine
+    from infosieve_fast.kmeans import restarts as kmeans_restarts
 
     count = [0]
 
@@ -124,7 +125,7 @@ def patch(kind: str, n: int) -> None:
 
         checkpoint.save_checkpoint = saving
     elif kind == "kmeans":
-        ss_kmeans, update = engine.semi_supervised_kmeans, kmeans._update_centers
+        ss_kmeans, update = engine.semi_supervised_kmeans, kmeans_restarts._update_centers
         armed = [False]
 
         def clustering(*args, **kwargs):
@@ -136,7 +137,7 @@ def patch(kind: str, n: int) -> None:
                 die()
             return update(*args, **kwargs)
 
-        engine.semi_supervised_kmeans, kmeans._update_centers = clustering, updating
+        engine.semi_supervised_kmeans, kmeans_restarts._update_centers = clustering, updating
     elif kind == "feature-pass":
         features = engine.InfoSieve.features
 

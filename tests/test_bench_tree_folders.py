@@ -19,3 +19,13 @@ def test_a_folder_of_another_config_is_refused_and_left_as_it_was(tmp_path):
             load_config("configs/demo-tree.yaml", ["train.seed=2", "loss.code_supcon_temperature=0.2"]), run
         )
     assert (run / "config.yaml").read_bytes() == before
+
+
+def test_each_species_range_has_its_own_shard_folder(tmp_path):
+    from benchmarks.bench_tree import subset_folder
+
+    assert subset_folder(tmp_path, 20, 0) == tmp_path / "cub20"  # the folder the first species always had
+    assert subset_folder(tmp_path, 20, 60) == tmp_path / "cub60-79"
+    ranges = [(classes, first) for classes in (1, 2, 20, 60, 80) for first in (0, 1, 20, 60) if first + classes <= 100]
+    folders = {subset_folder(tmp_path, classes, first) for classes, first in ranges}
+    assert len(folders) == len(ranges)  # two ranges never share shards

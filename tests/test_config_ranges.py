@@ -1,6 +1,6 @@
 """Every setting of the model, loss, optim, schedule and kmeans sections is checked when the config loads: one bad
 value per key fails with a one-line ConfigError that starts with the key's dotted name, one good value loads. The keys
-come from the dataclasses, so a new setting without a case here (and a check in config.py) fails."""
+come from the dataclasses, so a new setting without a case here (and a check in config_checks.py) fails."""
 
 import dataclasses
 import json
@@ -89,7 +89,7 @@ def test_every_setting_has_a_case():
 
 @pytest.mark.parametrize("key", KEYS)
 def test_a_bad_value_fails_at_load_naming_the_key(key):
-    assert key in CASES, f"{key}: add a bad and a good value to CASES and a check in config.py"
+    assert key in CASES, f"{key}: add a bad and a good value to CASES and a check in config_checks.py"
     with pytest.raises(ConfigError) as err:
         load_config(None, [override(key, CASES[key][0])])
     message = str(err.value)

@@ -295,3 +295,16 @@ def test_killed_make_shards_resumes(realdata, tmp_path):
         r["sha256"] for r in ref["splits"]["train"]["shards"]
     ]
     assert not state.exists() and not list(out.glob("*.tmp"))
+
+
+def test_a_dataset_already_read_gives_the_shards_of_its_folder(realdata, tmp_path):
+    # make_shards takes a RawDataset in place of a folder (the benchmarks' synthetic sets): the same shards, bytewise
+    tree = tmp_path / "raw"
+    _small_tree(realdata, tree, 3)
+    from_folder = make_shards("imagefolder", tree, tmp_path / "a", workers=1, progress=False)
+    raw = read_dataset("imagefolder", tree)
+    from_raw = make_shards("imagefolder", raw, tmp_path / "b", workers=1, progress=False)
+    shards = lambda m: [(r["name"], r["sha256"]) for s in ("train", "test") for r in m["splits"][s]["shards"]]
+    assert shards(from_raw) == shards(from_folder) and from_raw["counts"] == from_folder["counts"]
+    with pytest.raises(ShardsError, match="known_classes applies to a dataset read from its folder"):
+        make_shards("imagefolder", raw, tmp_path / "c", known_classes=[0], progress=False)

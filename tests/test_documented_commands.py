@@ -5,7 +5,7 @@ dropped) and inline code spans that call `python`, `infosieve`, `torchrun` or `b
 one entry of `PLAN`:
 - run: the command as written, placeholders bound to what this test makes (a one-epoch demo run, a folder of real
   images, temporary output paths), the benchmarks at their own smoke sizes (INFOSIEVE_BENCH_SMOKE=1,
-  benchmarks/smoke.py), `infosieve train` with one epoch;
+  benchmarks/smoke.py), `infosieve train` with one epoch, `infosieve sweep` with one epoch of 320 samples a run;
 - parse: commands that need what CI cannot have (a dataset download, pretrained DINO weights, several GPUs): their
   arguments are parsed by the real command-line parser, so a renamed flag still fails;
 - gpu: a CUDA command of benchmarks/gpu_check.sh, whose CPU rehearsal runs here;
@@ -53,6 +53,7 @@ class Entry:
     why: str = ""
 
 
+DATASETS = "(cub|scars|aircraft|pets|herbarium19|cifar10|cifar100|imagenet100|imagenet1k)"  # configs/<name>.yaml
 PLAN = [
     Entry(r"python3 -m venv .*|pip install .*", "ci", "the install: CI runs the README's install command"),
     Entry(r"pytest", "ci", "the tests: CI runs them"),
@@ -64,6 +65,11 @@ PLAN = [
         "parse",
         "needs a run on shards with a test split (tests/test_eval_logging.py scores one)",
     ),  # fmt: skip
+    Entry(
+        r"infosieve predict --run \S+ --images /data/mine/unlabelled --out \S+",
+        "parse",
+        "needs a run on your own images (tests/test_discovery.py runs it on a run on real birds)",
+    ),  # fmt: skip
     Entry(r"infosieve predict --run \S+ --images \S+ --out \S+", "run"),
     Entry(
         r"infosieve estimate-k --features \S+ --known-classes \d+ --json \S+",
@@ -71,12 +77,34 @@ PLAN = [
         "over a minute on 2 cores; tests/test_estimate_k.py runs the same search on the same features",
     ),  # fmt: skip
     Entry(
-        r"infosieve make-shards --dataset (cub|imagenet1k) .*",
+        rf"infosieve make-shards --dataset {DATASETS} .*",
         "parse",
         "needs the dataset download "
-        "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run both layouts on stand-ins)",
+        "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run the layouts on stand-ins)",
+    ),  # fmt: skip
+    Entry(
+        r"infosieve make-shards --dataset discovery .*",
+        "parse",
+        "needs your own images (tests/test_discovery.py runs the same command on a folder of real birds it builds)",
     ),  # fmt: skip
     Entry(r"infosieve train --config configs/(dinov2-)?cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
+    Entry(r"infosieve sweep --config configs/demo\.yaml .*", "run"),
+    Entry(r"infosieve compare SWEEP RUN --out \S+ --json \S+", "run"),
+    Entry(
+        rf"infosieve sweep --config configs/(dinov2-)?{DATASETS}\.yaml .*",
+        "parse",
+        "needs the dataset and the DINO (or DINOv2) weights; tests/test_sweep.py runs sweeps on the digits",
+    ),  # fmt: skip
+    Entry(
+        r"infosieve sweep --config configs/cub100-tree\.yaml .*",
+        "parse",
+        "hours on 2 CPU cores (tests/test_sweep.py runs sweeps on the digits; bench_tree.py trains this config)",
+    ),  # fmt: skip
+    Entry(
+        r"infosieve compare runs/\S+ .*",
+        "parse",
+        "compares the sweep of the command above it, which needs a dataset (tests/test_compare.py compares sweeps)",
+    ),  # fmt: skip
     Entry(
         r"torchrun --nnodes=\d+ --node_rank=\d+ --nproc_per_node=\d+ --master_addr=\S+ --master_port=\d+ "
         r"-m infosieve_fast\.cli .*",
@@ -89,11 +117,11 @@ PLAN = [
         "needs several GPUs (tests/test_engine_ddp.py runs the same path on gloo ranks)",
     ),  # fmt: skip
     Entry(
-        r"python benchmarks/bench_kmeans\.py --device cuda .*",
+        r"python -m benchmarks\.bench_kmeans --device cuda .*",
         "gpu",
         "CUDA: benchmarks/gpu_check.sh runs it, and its CPU rehearsal runs here (the gpu_check.sh entry)",
     ),  # fmt: skip
-    Entry(r"python benchmarks/\w+\.py.*", "run"),
+    Entry(r"python -m benchmarks\.(bench|check|gpu)_\w+( .*)?", "run"),
     Entry(
         r"(GPU_CHECK_COMMIT=\$\(git rev-parse HEAD\) RESULTS_DIR=\S+ |INFOSIEVE_BENCH_SMOKE=1 )"
         r"bash benchmarks/gpu_check\.sh",
@@ -135,7 +163,7 @@ def entry_for(command: str) -> Entry | None:
 
 def test_every_documented_command_has_a_plan():
     commands = documented_commands()
-    assert any(c.startswith("python benchmarks/bench_train.py") for _, c in commands)  # the reader found them
+    assert any(c.startswith("python -m benchmarks.bench_train ") for _, c in commands)  # the reader found them
     for where, command in commands:
         entry = entry_for(command)
         assert entry, f"{where}: {command!r} is documented but matches no entry of PLAN: say how CI checks it"
@@ -147,7 +175,7 @@ def test_every_benchmark_script_is_run_by_a_documented_command_or_the_gpu_check(
     shown = " ".join(c for _, c in documented_commands())
     gpu_check = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
     scripts = [p for p in (ROOT / "benchmarks").glob("*.py") if p.name.startswith(("bench_", "gpu_", "check_"))]
-    missing = [p.name for p in scripts if f"benchmarks/{p.name}" not in shown and p.stem not in gpu_check]
+    missing = [p.name for p in scripts if not re.search(rf"-m benchmarks\.{p.stem}(\s|$)", shown + " " + gpu_check)]
     assert not missing, f"benchmarks run by no documented command and not by gpu_check.sh: {missing}"
 
 
@@ -162,7 +190,8 @@ def bound(tmp_path_factory, realdata) -> dict[str, str]:
         digits = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
     for i in range(12):
         Image.fromarray(digits[i]).save(images / f"{i:04d}.png")
-    return {"tmp": str(tmp), "run": str(tmp / "demo-run"), "images": str(images), "realdata": str(realdata)}
+    return {"tmp": str(tmp), "run": str(tmp / "demo-run"), "images": str(images), "realdata": str(realdata),
+            "sweep": str(tmp / "sweep")}  # fmt: skip
 
 
 def bind(command: str, bound: dict[str, str], name: str) -> str:
@@ -170,6 +199,7 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
     out = Path(bound["tmp"]) / name
     command = command.replace("../shared/realdata", bound["realdata"])
     command = re.sub(r"runs/demo-<timestamp>|/tmp/demo_readme|\bRUN\b(?!_)", bound["run"], command)
+    command = re.sub(r"\bSWEEP\b", bound["sweep"], command)
     command = re.sub(r"NEW_IMAGES/|/tmp/mnist200(?=\s|$)", bound["images"], command)
     command = re.sub(r"--out /tmp/demo_\w+", f"--out {out}", command)
     command = re.sub(
@@ -188,6 +218,8 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
         command += f" --out {shared if 'bench_tree_ablation' in command else out / 'runs'}"
     if command.startswith("infosieve train --config"):
         command += f" {shlex.join(ONE_EPOCH)}" + ("" if "--out" in command else f" --out {out}/run")
+    if command.startswith("infosieve sweep"):
+        command += f" {shlex.join([*ONE_EPOCH, '--set', 'train.train_subset=320'])}"
     return command
 
 
@@ -232,14 +264,18 @@ def outcomes(bound, request) -> dict[tuple[str, str], tuple[str, subprocess.Comp
         if item.originalname == "test_documented_command_runs_at_smoke_size"
     }
     demo_key = next(key for key in RUN_COMMANDS if key[1] == DEMO_TRAIN)
-    bound_commands = {(w, c): bind(c, bound, re.sub(r"\W", "_", w)) for w, c in selected | {demo_key}}
+    # in the docs' order: a lane runs its commands in the order the docs show them
+    bound_commands = {(w, c): bind(c, bound, re.sub(r"\W", "_", w)) for w, c in RUN_COMMANDS
+                      if (w, c) in selected or (w, c) == demo_key}  # fmt: skip
     demo = demo_key
     bound_commands[demo] = bind(f"{DEMO_TRAIN} --out /tmp/demo_readme", bound, "demo")  # into RUN
     done = {demo: run_shell(bound_commands[demo])}
     lanes: dict[str, list] = {}
     for key, command in bound_commands.items():
         if key != demo:
-            shared = next((folder for folder in (bound["run"], "bench_tree_ablation") if folder in command), None)
+            # a compare of SWEEP and RUN runs after the sweep: SWEEP's lane first
+            folders = (bound["sweep"], bound["run"], "bench_tree_ablation")
+            shared = next((folder for folder in folders if folder in command), None)
             lanes.setdefault(shared or str(key), []).append(key)
 
     def run_lane(keys: list) -> dict:

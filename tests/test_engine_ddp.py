@@ -102,7 +102,7 @@ def test_rank0_writes_the_run_folder_once(ddp):
     out, res = ddp
     run = out / "full"
     assert sorted(p.name for p in run.iterdir()) == [
-        "checkpoint.pt", "clustering.npz", "config.yaml", "log.jsonl", "metrics.json",
+        "checkpoint.pt", "clustering.npz", "config.yaml", "fingerprint.json", "log.jsonl", "metrics.json",
     ]  # fmt: skip
     assert load_config(run / "config.yaml") == ddp_config()
     log = read_log(run / "log.jsonl")
@@ -174,8 +174,8 @@ def test_resume_and_single_process_eval_of_a_ddp_run(ddp):
         assert r["killed"] is None and r["resumed"] == r["full"]
     full, resumed = read_log(out / "full" / "log.jsonl"), read_log(out / "killed" / "log.jsonl")
     for a, b in zip(full, resumed, strict=True):
-        assert {k: v for k, v in a.items() if not k.startswith("seconds")} == {
-            k: v for k, v in b.items() if not k.startswith("seconds")
+        assert {k: v for k, v in a.items() if not k.startswith(("seconds", "peak_"))} == {
+            k: v for k, v in b.items() if not k.startswith(("seconds", "peak_"))
         }
     assert run_folder.trainer_from_run(out / "full").evaluate() == res[0]["full"]["after"]
     assert cli.main(["eval", "--run", str(out / "full")]) == 0

@@ -11,16 +11,11 @@ from scipy.optimize import linear_sum_assignment
 
 from benchmarks.published.kmeans import ReferenceSSKMeans
 from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.kmeans import (
-    _assign_capacity,
-    _cluster_sums,
-    _pick_backend,
-    _Problem,
-    _recheck_threshold,
-    _TorchOps,
-    faiss_available,
-    semi_supervised_kmeans,
-)
+from infosieve_fast.kmeans import faiss_available, semi_supervised_kmeans
+from infosieve_fast.kmeans.assign import _assign_capacity
+from infosieve_fast.kmeans.checks import _pick_backend
+from infosieve_fast.kmeans.problem import _cluster_sums, _Problem
+from infosieve_fast.kmeans.search import _recheck_threshold, _TorchOps
 from infosieve_fast.metrics import split_cluster_acc_v2
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -424,7 +419,7 @@ def test_fp32_search_runs_in_ieee_even_when_tf32_is_allowed(monkeypatch):
 
 # --------------------------------------------------------------------------------------------------- backend choice
 def test_auto_backend_is_faiss_only_with_gpu_faiss_and_cuda_features(monkeypatch):
-    import infosieve_fast.kmeans as km
+    import infosieve_fast.kmeans.checks as km
 
     monkeypatch.setattr(km, "faiss_available", lambda gpu=False: True)  # a GPU build of FAISS that sees a GPU
     assert _pick_backend("auto", True, "fp32") == "faiss"

@@ -187,7 +187,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again(tmp_path, capsys,
     with pytest.raises(SystemExit):  # --resume: from scratch
         cli.main(["train", "--resume", str(run)])
     assert f"{run} holds no checkpoint" in capsys.readouterr().out
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "fingerprint.json"]
 
     fresh = ["train", "--config", "configs/demo.yaml", "--out", str(run), *SMOKE_ARGS]
     with pytest.raises(SystemExit):  # or the same `train --out` again

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..config import DataConfig, TrainConfig
 from .base import Batch, GCDSource
 from .memory import InMemoryGCD, digits
 
-__all__ = ["Batch", "GCDSource", "InMemoryGCD", "build_source", "digits"]
+__all__ = ["Batch", "GCDSource", "InMemoryGCD", "build_source", "digits", "held_out_labelled"]
 
 
 def build_source(data: DataConfig, train: TrainConfig, device: torch.device | None = None) -> GCDSource:
@@ -45,3 +46,11 @@ def build_source(data: DataConfig, train: TrainConfig, device: torch.device | No
         resize=data.resize,
         intake=data.intake,
     )
+
+
+def held_out_labelled(source: GCDSource) -> np.ndarray:
+    """uq (ascending) of `source`'s held-out labelled images: the labelled images of known classes that shards of your
+    own images (`make-shards --dataset discovery --holdout SHARE`) serve as unlabelled, their class kept as the target
+    to score them against. Empty for every other source."""
+    held_out = getattr(source, "held_out", None)  # a ShardSource method; in-memory sources hold none
+    return np.zeros(0, np.int64) if held_out is None else held_out()

@@ -15,7 +15,7 @@ class Batch:
     """B samples at their stored size; augmentation (crop, flip, normalise) happens on the device."""
 
     images: Tensor  # uint8 [B, C, H, W]
-    targets: Tensor  # long [B], class index with the known classes first (0..n_old-1)
+    targets: Tensor  # long [B], class index with the known classes first (0..n_old-1); -1 (NO_LABEL): none at all
     uq: Tensor  # long [B], the sample's unique index 0..n_train-1 (indexes the pseudo-label table)
     labelled: Tensor  # bool [B], True where the sample's label may be used for training
     # long [B, 2]: each image's (height, width) when the images differ in size; they are then padded, top-left
@@ -34,7 +34,7 @@ class GCDSource(Protocol):
 
     n_train: int  # samples in the train set (labelled + unlabelled); uq runs over 0..n_train-1
     n_old: int  # known classes
-    n_classes: int  # known + novel classes
+    n_classes: int | None  # known + novel classes; None when unknown (your own images: set kmeans.n_clusters)
     class_names: list[str]  # by target (known classes first)
 
     def feature_batches(self, batch_size: int) -> Iterator[Batch]:

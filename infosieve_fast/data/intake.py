@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint import atomic_write
 from ..config import IntakeConfig
 from .remote import SHARD_SUFFIXES, fetch_all, is_remote
 from .splits import gcd_split
@@ -205,8 +206,15 @@ def open_foreign(spec, opts: IntakeConfig, processes: int | None = None) -> Fore
     known, novel = split_classes(labels, keys, opts.known_classes)
     labelled, targets = gcd_split(labels, known, opts.labelled_prop, opts.split_seed, novel_classes=novel)
     names = list(keys.class_names) or [str(c) for c in range(len(known) + len(novel))]
-    index = ShardIndex(shard, rows[:, 0], rows[:, 1], rows[:, 2:4], targets.astype(np.int64),
-                       np.arange(len(rows), dtype=np.int64), labelled.astype(bool))  # fmt: skip
+    index = ShardIndex(
+        shard,
+        rows[:, 0],
+        rows[:, 1],
+        rows[:, 2:4],
+        targets.astype(np.int64),
+        np.arange(len(rows), dtype=np.int64),
+        labelled.astype(bool),
+    )
     return ForeignSet(urls, index, [names[c] for c in known + novel], len(known), problems, reused)
 
 
@@ -259,15 +267,11 @@ def _load_saved(path: Path, meta: dict) -> tuple[dict[str, np.ndarray], list[str
 
 def _save(path: Path, meta: dict, arrays: dict[str, np.ndarray], problems: list[str]) -> bool:
     """Write the index atomically; False when the folder is not writable."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fields = {"meta": np.asarray(json.dumps(meta)), "problems": np.asarray(problems, dtype=str), **arrays}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.savez(f, meta=np.asarray(json.dumps(meta)), problems=np.asarray(problems, dtype=str), **arrays)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: np.savez(f, **fields))
         return True
     except OSError:
-        tmp.unlink(missing_ok=True)
         return False
 
 
@@ -285,6 +289,9 @@ def cached_index(
     arrays, problems = build()
     if not any(_save(place, meta, arrays, problems) for place in places):
         where = " or ".join(map(str, places))
-        print(f"infosieve data: WARNING: the shard index could not be saved in {where}: it is rebuilt on every open "
-              "(set data.intake.index_cache to a writable folder)", file=sys.stderr)  # fmt: skip
+        print(
+            f"infosieve data: WARNING: the shard index could not be saved in {where}: it is rebuilt on every open "
+            "(set data.intake.index_cache to a writable folder)",
+            file=sys.stderr,
+        )
     return arrays, problems, False

@@ -6,12 +6,15 @@ stored as a JPEG (`--image-format jpg`, the default: quality 95, lossy, small an
 (`--image-format png`: lossless, the decoded image equals the resized source exactly; about 4x the bytes and 5x the
 decode time). Each sample holds `jpg` or `png`, `cls` (target, known classes first), `uq` (the sample's index
 in the dataset's native train order = the reference's `uq_idx`; the test index for test samples) and `lab` (1 when
-its label may be used). Train samples are written in a fixed random order (`RandomState(0)`) so that every shard
-mixes the classes; test samples in native order.
+its label may be used). Your own images (`--dataset discovery`) have no test split; their unlabelled pool has `cls`
+-1 (`metrics.NO_LABEL`: no label at all), and `--holdout SHARE` serves a share of the labelled images with `lab` 0.
+Train samples are written in a fixed random order (`RandomState(0)`) so that every shard mixes the classes; test
+samples in native order.
 
 Robustness:
-- every shard is written to `NAME.tmp`, flushed, fsynced and renamed; a state file records each finished shard, so a
-  killed run resumes after the last finished shard and produces byte-identical shards (fixed tar metadata);
+- every shard is written to a temporary `.NAME.*.tmp`, fsynced and renamed (`checkpoint.atomic_write`); a state file
+  records each finished shard, so a killed run resumes after the last finished shard and produces byte-identical
+  shards (fixed tar metadata);
 - an image that cannot be read or decoded is skipped, reported, and listed in the manifest's `skipped`;
 - re-running on complete output verifies every shard's size and sha256 and does nothing; a damaged or missing shard
   is rewritten;
@@ -35,8 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint import atomic_write
 from .layouts import DATASETS, RawDataset, canonical_name, read_dataset
-from .splits import check_counts, gcd_split, split_counts
+from .splits import check_counts, discovery_counts, discovery_split, gcd_split, split_counts
 
 FORMAT = "infosieve-shards/1"
 JPEG_QUALITY = 95
@@ -46,6 +50,7 @@ MANIFEST = "manifest.json"
 STATE = ".make-shards-state.json"
 ORDER_SEED = 0  # the fixed shuffle of the train write order
 PROP, SPLIT_SEED = 0.5, 0  # REFERENCE.md §7: half of the known-class images labelled, RandomState(0)
+DISCOVERY = "discovery"  # your own images: labelled/<class>/ + unlabelled/ (layouts.py); --holdout applies to it
 
 
 class ShardsError(RuntimeError):
@@ -143,12 +148,7 @@ def _sha256(path: Path) -> str:
 
 
 def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
 
 
 class _Plan:
@@ -192,9 +192,10 @@ def _write_one(
     image_format: str,
 ) -> dict:  # fmt: skip
     """Write positions start.. into `name` until it reaches `size_bytes` (or `stop_at`); atomic."""
-    tmp = out / (name + ".tmp")
     skipped, written, pos = [], 0, start
-    with open(tmp, "wb") as f:
+
+    def write(f) -> None:
+        nonlocal written, pos
         with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             while pos < stop_at and f.tell() < size_bytes:
                 p, data, err = next(results)
@@ -215,9 +216,8 @@ def _write_one(
                 pos += 1
                 if bar is not None:
                     bar.update(1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out / name)
+
+    atomic_write(out / name, write)
     size = (out / name).stat().st_size
     return {
         "name": name, "start": start, "count": pos - start, "written": written, "bytes": size,
@@ -228,8 +228,18 @@ def _write_one(
 # ---- the command -----------------------------------------------------------------------------------------------
 
 
-def _plans(raw: RawDataset) -> tuple[_Plan, _Plan, dict]:
+def _train_split(raw: RawDataset, holdout: float, holdout_seed: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(labelled mask, targets, counts) of the train samples in native order: the GCD split (REFERENCE.md §7), or for
+    your own images every labelled image but the held-out share (`splits.discovery_split`)."""
+    if raw.dataset == DISCOVERY:
+        labelled, targets, held = discovery_split(raw.train_labels, holdout, holdout_seed)
+        return labelled, targets, discovery_counts(targets, held)
     labelled, targets = gcd_split(raw.train_labels, raw.known, PROP, SPLIT_SEED, novel_classes=raw.novel)
+    return labelled, targets, split_counts(labelled, targets, len(raw.known), len(raw.test))
+
+
+def _plans(raw: RawDataset, holdout: float, holdout_seed: int) -> tuple[_Plan, _Plan, dict]:
+    labelled, targets, counts = _train_split(raw, holdout, holdout_seed)
     order = raw.known + raw.novel
     remap = {c: i for i, c in enumerate(order)}
     stray = sorted(set(raw.test_labels.tolist()) - set(order))
@@ -244,19 +254,23 @@ def _plans(raw: RawDataset) -> tuple[_Plan, _Plan, dict]:
     )  # fmt: skip
     nt = len(raw.test)
     test = _Plan("test", raw.test, raw.test_names, test_targets, np.arange(nt), np.zeros(nt, bool))
-    counts = split_counts(labelled, targets, len(raw.known), nt)
     return train, test, counts
 
 
-def _fingerprint(raw: RawDataset, resize: int, codec: tuple[str, int], shard_size_mb: float) -> dict:
+def _fingerprint(
+    raw: RawDataset, resize: int, codec: tuple[str, int], shard_size_mb: float, holdout: float, holdout_seed: int
+) -> dict:
     fmt, quality = codec
-    return {
+    fingerprint = {
         "format": FORMAT, "dataset": raw.dataset, "resize": resize, "image_format": fmt,
         "jpeg_quality": quality if fmt == "jpg" else None,
         "png_compress_level": PNG_COMPRESS_LEVEL if fmt == "png" else None,
         "shard_size_mb": shard_size_mb, "known": raw.known, "novel": raw.novel, "n_train": len(raw.train),
         "n_test": len(raw.test), "prop": PROP, "split_seed": SPLIT_SEED, "order_seed": ORDER_SEED,
     }  # fmt: skip
+    if raw.dataset == DISCOVERY:  # only there: the other datasets' folders written before keep their fingerprint
+        fingerprint.update(holdout=holdout, holdout_seed=holdout_seed)
+    return fingerprint
 
 
 def _check_out(out: Path, dataset: str, fingerprint: dict) -> dict | None:
@@ -318,7 +332,7 @@ def _manifest(
             "novel": raw.novel,
         },
         "n_old": len(raw.known),
-        "n_classes": len(order),
+        "n_classes": None if raw.dataset == DISCOVERY else len(order),  # discovery: the novel classes are unknown
         "counts": counts,
         "reference_check": problems if problems else ("ok" if check_counts_applies(raw.dataset, counts) else "n/a"),
         "splits": {
@@ -343,7 +357,7 @@ def check_counts_applies(dataset: str, counts: dict) -> bool:
 
 def make_shards(
     dataset: str,
-    root: str | Path,
+    root: str | Path | RawDataset,
     out: str | Path,
     *,
     shard_size_mb: float = 256,
@@ -353,26 +367,32 @@ def make_shards(
     progress: bool = True,
     jpeg_quality: int = JPEG_QUALITY,
     image_format: str = "jpg",
+    holdout: float = 0.0,
+    holdout_seed: int = 0,
 ) -> dict:
     """Write `dataset` (native layout under `root`) as shards into `out`; returns the manifest (`manifest.json`).
+    `root` may also be the dataset already read: a `RawDataset`, whose samples are any sources `load_rgb` opens.
 
-    `image_format`: "jpg" (lossy, quality `jpeg_quality`) or "png" (lossless)."""
+    `image_format`: "jpg" (lossy, quality `jpeg_quality`) or "png" (lossless). `holdout` (discovery only): the share of
+    each known class's labelled images held out for evaluation (`splits.holdout_mask`, seeded by `holdout_seed`)."""
     if image_format not in IMAGE_FORMATS:
         raise ShardsError(f"image format must be one of {', '.join(IMAGE_FORMATS)}, got {image_format!r}")
     codec = (image_format, jpeg_quality)
     dataset = canonical_name(dataset)
+    if holdout and dataset != DISCOVERY:
+        raise ShardsError(f"--holdout applies to --dataset {DISCOVERY} (your own images); {dataset} has its GCD split")
+    if not 0.0 <= holdout < 1.0:
+        raise ShardsError(f"--holdout {holdout}: the held-out share must lie in [0, 1), e.g. --holdout 0.1")
     out = Path(out)
-    raw = read_dataset(dataset, root, known_classes)
-    train, test, counts = _plans(raw)
-    fingerprint = _fingerprint(raw, resize, codec, shard_size_mb)
+    if isinstance(root, RawDataset) and known_classes is not None:
+        raise ShardsError("known_classes applies to a dataset read from its folder: set the RawDataset's known classes")
+    raw = root if isinstance(root, RawDataset) else read_dataset(dataset, root, known_classes)
+    train, test, counts = _plans(raw, holdout, holdout_seed)
+    fingerprint = _fingerprint(raw, resize, codec, shard_size_mb, holdout, holdout_seed)
     out.mkdir(parents=True, exist_ok=True)
     prev = _check_out(out, dataset, fingerprint)
     log = (lambda msg: print(f"make-shards: {msg}", file=sys.stderr)) if progress else (lambda msg: None)
-    log(
-        f"{dataset}: {len(raw.class_names)} classes ({len(raw.known)} known, {len(raw.novel)} novel); train "
-        f"{counts['train']:,} = labelled {counts['labelled']:,} + unlabelled {counts['unlabelled']:,} "
-        f"({counts['unlabelled_known']:,} known, {counts['unlabelled_novel']:,} novel); test {counts['test']:,}"
-    )
+    log(_describe_split(raw, counts))
     for note in raw.notes:
         log(note)
     for problem in check_counts(dataset, counts):
@@ -452,12 +472,54 @@ def make_shards(
         f"{manifest['counts']['written_test']:,} test samples, {len(manifest['skipped'])} skipped"
     )
     if manifest["skipped"]:
+        where = ""
+        if dataset == DISCOVERY:
+            where = " (" + ", ".join(f"{n} {part}" for part, n in _discovery_skipped(manifest).items() if n) + ")"
         print(
-            f"make-shards: WARNING: {len(manifest['skipped'])} unreadable image(s) skipped, listed in "
-            f"{out / MANIFEST} under 'skipped'",
+            f"make-shards: WARNING: {len(manifest['skipped'])} unreadable image(s) skipped{where}, listed in "
+            f"{out / MANIFEST} under 'skipped': re-save them in a format PIL reads (JPEG, PNG) or remove them",
             file=sys.stderr,
         )
+    if dataset == DISCOVERY:
+        for name in _classes_left_unlabelled(raw, train, manifest["skipped"]):
+            print(f"make-shards: WARNING: every labelled image of labelled/{name}/ is unreadable, so the class has no "
+                  "labelled image to anchor its cluster: replace its images or remove the folder, then run "
+                  "make-shards again into a new --out", file=sys.stderr)  # fmt: skip
     return manifest
+
+
+def _describe_split(raw: RawDataset, counts: dict) -> str:
+    """The split's counts, as make-shards prints them."""
+    if raw.dataset == DISCOVERY:
+        return (f"{DISCOVERY}: {len(raw.known)} known classes; train {counts['train']:,} = labelled "
+                f"{counts['labelled']:,} + held out for evaluation {counts['held_out']:,} + unlabelled "
+                f"{counts['unlabelled']:,} (no labels); no test split")  # fmt: skip
+    return (
+        f"{raw.dataset}: {len(raw.class_names)} classes ({len(raw.known)} known, {len(raw.novel)} novel); train "
+        f"{counts['train']:,} = labelled {counts['labelled']:,} + unlabelled {counts['unlabelled']:,} "
+        f"({counts['unlabelled_known']:,} known, {counts['unlabelled_novel']:,} novel); test {counts['test']:,}"
+    )
+
+
+def _discovery_skipped(manifest: dict) -> dict[str, int]:
+    """{"labelled", "held_out", "unlabelled"}: how many of each a discovery folder's skipped images were."""
+    def part(s: dict) -> str:
+        if Path(s["source"]).parts[0] == "unlabelled":
+            return "unlabelled"
+        return "labelled" if s["labelled"] else "held_out"
+
+    parts = [part(s) for s in manifest["skipped"]]
+    return {k: parts.count(k) for k in ("labelled", "held_out", "unlabelled")}
+
+
+def _classes_left_unlabelled(raw: RawDataset, train: _Plan, skipped: list[dict]) -> list[str]:
+    """The known classes all of whose labelled images were skipped as unreadable."""
+    have = np.bincount(train.cls[train.lab], minlength=len(raw.class_names))
+    lost = np.zeros_like(have)
+    for s in skipped:
+        if s["labelled"]:
+            lost[raw.train_labels[s["uq"]]] += 1
+    return [raw.class_names[c] for c in np.flatnonzero((have > 0) & (lost >= have))]
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------
@@ -498,6 +560,15 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         "decodes to exactly the resized source; ~4x the bytes, slower to write and read)",
     )
     parser.add_argument("--jpeg-quality", type=int, default=JPEG_QUALITY, help="JPEG quality of the stored images")
+    parser.add_argument(
+        "--holdout",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help=f"--dataset {DISCOVERY} only: hold out this share of each known class's labelled images (trained on as "
+        "unlabelled, their labels kept for evaluation; default 0: none)",
+    )
+    parser.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out choice (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -511,22 +582,17 @@ def run_cli(args: argparse.Namespace) -> int:
         manifest = make_shards(
             args.dataset, args.root, args.out, shard_size_mb=args.shard_size_mb, known_classes=known,
             resize=args.resize, workers=args.workers, progress=not args.no_progress, jpeg_quality=args.jpeg_quality,
-            image_format=getattr(args, "image_format", "jpg"),
+            image_format=getattr(args, "image_format", "jpg"), holdout=args.holdout, holdout_seed=args.holdout_seed,
         )  # fmt: skip
     except (ShardsError, LayoutError) as exn:
         print(f"make-shards: error: {exn}", file=sys.stderr)
         return 2
-    c = manifest["counts"]
-    # what the shards hold: the split's counts less the images skipped as unreadable
-    gone = [(s["split"], bool(s["labelled"])) for s in manifest["skipped"]]
     print(
         json.dumps(
             {
                 "dataset": manifest["dataset"],
                 "out": str(args.out),
-                "labelled": c["labelled"] - gone.count(("train", True)),
-                "unlabelled": c["unlabelled"] - gone.count(("train", False)),
-                "test": c["test"] - sum(split == "test" for split, _ in gone),
+                **written_counts(manifest),
                 "n_old": manifest["n_old"],
                 "n_classes": manifest["n_classes"],
                 "skipped": len(manifest["skipped"]),
@@ -536,6 +602,20 @@ def run_cli(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def written_counts(manifest: dict) -> dict[str, int]:
+    """What the shards hold: the split's counts less the images skipped as unreadable (labelled, unlabelled, test; for
+    your own images labelled, held_out, unlabelled)."""
+    c = manifest["counts"]
+    if manifest["dataset"] == DISCOVERY:
+        return {k: c[k] - n for k, n in _discovery_skipped(manifest).items()}
+    gone = [(s["split"], bool(s["labelled"])) for s in manifest["skipped"]]
+    return {
+        "labelled": c["labelled"] - gone.count(("train", True)),
+        "unlabelled": c["unlabelled"] - gone.count(("train", False)),
+        "test": c["test"] - sum(split == "test" for split, _ in gone),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

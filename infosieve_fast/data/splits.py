@@ -15,6 +15,8 @@ from importlib import resources
 
 import numpy as np
 
+from ..metrics import NO_LABEL
+
 
 def labelled_subset(n: int, prop: float = 0.5, seed: int = 0) -> np.ndarray:
     """The reference's `subsample_instances`: `RandomState(seed).permutation(n)[:int(prop * n)]`."""
@@ -58,6 +60,40 @@ def gcd_split(
     labelled = np.zeros(len(targets), dtype=bool)
     labelled[known_idx[labelled_subset(len(known_idx), prop, seed)]] = True
     return labelled, np.array([remap[t] for t in targets.tolist()], dtype=np.int64)
+
+
+def holdout_mask(labels: Sequence[int] | np.ndarray, share: float, seed: int = 0) -> np.ndarray:
+    """The labelled images held out for evaluation (bool [N]): per class in ascending class order, the first
+    `int(share * n_c)` of `RandomState(seed)`'s permutation of its n_c images (one generator for every class), but
+    never the class's last image, so every class keeps a labelled one. Images whose label is `NO_LABEL` are never
+    held out."""
+    labels = np.asarray(labels)
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"the held-out share must lie in [0, 1), got {share}: e.g. --holdout 0.1")
+    held = np.zeros(len(labels), bool)
+    rng = np.random.RandomState(seed)
+    for c in np.unique(labels[labels != NO_LABEL]):
+        members = np.flatnonzero(labels == c)
+        take = min(int(share * len(members)), len(members) - 1)
+        held[members[rng.permutation(len(members))[:take]]] = True
+    return held
+
+
+def discovery_split(labels: Sequence[int] | np.ndarray, holdout: float = 0.0, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """(labelled mask, targets, held-out mask) of your own images: `labels` are class ids for the labelled images
+    and `NO_LABEL` for the pool. Every labelled image is labelled except the `holdout_mask` share, whose labels are
+    withheld from training and kept as targets for evaluation; the pool keeps `NO_LABEL` as its target."""
+    labels = np.asarray(labels, np.int64)
+    held = holdout_mask(labels, holdout, seed)
+    return (labels != NO_LABEL) & ~held, labels.copy(), held
+
+
+def discovery_counts(labels: np.ndarray, held: np.ndarray) -> dict[str, int]:
+    """Counts of a discovery train set: labelled (used as such), held out, unlabelled (the pool), classes."""
+    pool = np.asarray(labels) == NO_LABEL
+    return {"train": int(len(labels)), "labelled": int((~pool & ~held).sum()), "held_out": int(held.sum()),
+            "unlabelled": int(pool.sum()), "known_classes_present": int(len(np.unique(labels[~pool]))),
+            "test": 0}  # fmt: skip
 
 
 def split_counts(labelled: np.ndarray, targets: np.ndarray, n_old: int, n_test: int | None = None) -> dict[str, int]:

@@ -52,12 +52,13 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from .. import distributed as dist
 from ..config import DataConfig, IntakeConfig
+from ..metrics import NO_LABEL
 from .base import Batch
 from .cache import DecodedCache, cache_device
 from .decode import DecodeCounts, cap_aspect, capped_hw, decode_cpu, decode_gpu, pad_into
 from .intake import is_manifest_folder, make_shards_index_cached, open_foreign
 from .sampler import sample_epoch
-from .shards import resized_size
+from .shards import DISCOVERY, resized_size
 from .tar import ShardIndex, open_mmap
 
 CACHE_MODES = ("auto", "gpu", "cpu", "off")
@@ -297,7 +298,8 @@ class ShardSource:
         self.manifest = m = json.loads((folder / "manifest.json").read_text())
         self.dataset = m["dataset"]
         self.size = int(m["resize"])
-        self.n_old, self.n_classes = int(m["n_old"]), int(m["n_classes"])
+        self.n_old = int(m["n_old"])
+        self.n_classes = None if m["n_classes"] is None else int(m["n_classes"])  # None: unknown (your own images)
         self.class_names = list(m["classes"]["names"])  # target order
         info = m["splits"][split]
         self.records = info["shards"]
@@ -308,6 +310,15 @@ class ShardSource:
         self.index, more, self.reused_index = make_shards_index_cached(self.urls, self.intake.index_cache)
         self.problems = problems + more
         return skipped
+
+    def held_out(self) -> np.ndarray:
+        """uq (ascending) of the held-out labelled images of shards of your own images (`make-shards --dataset
+        discovery --holdout SHARE`): labelled images of the known classes served as unlabelled ones (`lab` 0), their
+        class kept as their target for evaluation. Empty for every other dataset (their unlabelled images are the
+        GCD split's, not held out)."""
+        if self.dataset != DISCOVERY:
+            return np.zeros(0, np.int64)
+        return np.sort(self.uq[~self.index.lab & (self.index.cls != NO_LABEL)])
 
     def _open_foreign(self, spec) -> np.ndarray:
         """Open foreign WebDataset shards (data/intake.py): every readable sample is a train sample."""
