@@ -45,7 +45,8 @@ from benchmarks.pooled_shards import KIND, write_pooled_shards
 from benchmarks.provenance import device_name, emit_json, stamp
 from infosieve_fast.config import load_config
 from infosieve_fast.data.stream import ShardSource
-from infosieve_fast.engine import LossMonitor, Trainer
+from infosieve_fast.engine import Trainer
+from infosieve_fast.loss_monitor import LossMonitor
 
 IMAGENET1K_TRAIN = 1_281_167
 # smoke size (INFOSIEVE_BENCH_SMOKE=1, the CPU rehearsal of gpu_check.sh): a ViT-Ti/16 on 32 px crops, seconds on a CPU

@@ -90,7 +90,8 @@ from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.data.base import Batch
 from infosieve_fast.data.memory import InMemoryGCD
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.engine import FeatureSet, LossMonitor, Trainer
+from infosieve_fast.engine import FeatureSet, Trainer
+from infosieve_fast.loss_monitor import LossMonitor
 from infosieve_fast.precision import set_cuda_matmul_tf32
 
 FAST_VARIANTS = {

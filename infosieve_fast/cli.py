@@ -38,11 +38,11 @@ def _train(args: argparse.Namespace) -> int:
     if not args.config:
         raise UsageError("train needs --config FILE (see configs/) or --resume RUN_DIR")
     cfg = config_mod.load_config(args.config, overrides)
-    from .engine import resolve_device
+    from .trainer_setup import resolve_device
 
     resolve_device(cfg.train.device)  # a device this machine lacks is refused before anything else
     from . import distributed
-    from .engine import wants_cuda
+    from .trainer_setup import wants_cuda
 
     with distributed.process_group_from_env(wants_cuda(cfg.train.device)):  # torchrun: every rank, one run folder
         stamp = distributed.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))

@@ -11,7 +11,6 @@ table and the same All/Old/New. `data.batch_size` is per rank. `run_folder.py` r
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,77 +22,27 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from . import distributed as dist
 from .compiling import CompileOutcome, check_compile_setting, compile_with_fallback, compiled_modules
-from .config import Config, ConfigError
+from .config import Config
 from .data import InMemoryGCD, build_source
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.base import Batch, GCDSource
 from .discovery import unscored_parts
 from .kmeans import semi_supervised_kmeans
 from .loss import InfoSieveLoss, check_labelled_targets
+from .loss_monitor import LossMonitor
 from .metrics import evaluate_split
-from .model import Backbone, InfoSieve, PrefixTokens
+from .model import Backbone, PrefixTokens
 from .schedule import epoch_schedule
 from .token_cache import TokenCache
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
-class LossMonitor:
-    """An epoch's loss terms, summed on the device, checked for non-finite totals every few steps.
-
-    `record` runs inside the step and never reads the device; `check` (every `train.check_every` steps and at the end
-    of the epoch) reads the steps since the last check at once, raises `NonFiniteLoss` on every rank when any rank had
-    a non-finite total (naming the earliest such step, the ranks it happened on, and this rank's terms there), and
-    returns the last total for the progress bar. A bad step is reported up to `check_every` steps late; the run folder
-    still holds the last good checkpoint.
-    """
-
-    def __init__(self, epoch: int):
-        self.epoch, self.steps = epoch, 0
-        self.names: list[str] = []
-        self._sums: Tensor | None = None
-        self._window: list[Tensor] = []  # each unchecked step's terms
-        self._last = float("nan")
-
-    def record(self, parts: dict[str, Tensor]) -> None:
-        values = torch.stack([v.float() for v in parts.values()])
-        if self._sums is None:
-            self.names, self._sums = list(parts), torch.zeros_like(values)
-        self._sums += values
-        self._window.append(values)
-        self.steps += 1
-
-    def check(self) -> float:
-        if not self._window:  # every rank ran the same steps, so every rank returns here together
-            return self._last
-        window = torch.stack(self._window)
-        start = self.steps - len(window)
-        self._window = []
-        steps = torch.arange(len(window), device=window.device)
-        first = torch.where(torch.isfinite(window[:, 0]), len(window), steps).min().reshape(1)
-        firsts = dist.all_gather_cat(first)[0].tolist()  # one read of the device for every rank's window
-        earliest = min(firsts)
-        self._last = float(window[-1, 0])
-        if earliest == len(window):
-            return self._last
-        where = ""
-        if len(firsts) > 1:
-            ranks = [r for r, f in enumerate(firsts) if f == earliest]
-            where = f" on rank(s) {ranks} (this is rank {dist.get_rank()})"
-        terms = ", ".join(f"{k}={v:.4g}" for k, v in zip(self.names, window[earliest].tolist(), strict=True))
-        raise NonFiniteLoss(
-            f"non-finite loss at epoch {self.epoch}, step {start + earliest}{where}: {terms}. Hint: lower optim.lr, "
-            "try train.amp=off, and check the inputs for NaN/inf; the last good checkpoint is in the run folder"
-        )
-
-    def means(self) -> dict[str, float]:
-        """Each term's mean over the steps (over every rank's steps under torchrun: all ran `steps`)."""
-        sums = self._sums
-        if dist.get_world_size() > 1:
-            sums = dist.all_reduce_sum(sums) / dist.get_world_size()
-        return {k: float(v) / self.steps for k, v in zip(self.names, sums.tolist(), strict=True)}
+from .trainer_setup import (
+    autocast_enabled,
+    build_model,
+    build_optimizer,
+    check_source_fits,
+    epoch_seed,
+    rank_seed,
+    resolve_device,
+)
 
 
 @dataclass
@@ -124,86 +73,6 @@ class Evaluation:
     clustering: Clustering
     targets: Tensor  # long [n_train], -1 for unreadable samples
     unlabelled: Tensor  # bool [n_train]: unlabelled and readable (the samples the metrics are computed on)
-
-
-def resolve_device(name: str) -> torch.device:
-    """The device named by `train.device`; under torchrun a CUDA device is this process's `cuda:LOCAL_RANK`."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"train.device={name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but no CUDA device is available: use train.device=cpu or auto")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"train.device={name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type == "cuda" and dist.get_world_size() > 1:
-        if device.index is not None:
-            raise ValueError(f"train.device={name!r}: under torchrun each rank uses cuda:LOCAL_RANK; set cuda or auto")
-        device = torch.device("cuda", dist.local_rank())
-    return device
-
-
-def wants_cuda(name: str) -> bool:
-    return name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
-
-
-def autocast_enabled(amp: str, device: torch.device) -> bool:
-    return amp == "bf16" or (amp == "auto" and device.type == "cuda")
-
-
-def epoch_seed(seed: int, epoch: int, stream: int) -> int:
-    """Independent, reproducible seeds per (run seed, epoch, purpose)."""
-    return (seed * 1_000_003 + epoch * 101 + stream) % (2**63)
-
-
-def rank_seed(seed: int) -> int:
-    """`seed` on rank 0 (so one process draws exactly as before), a different stream on every other rank."""
-    return (seed + dist.get_rank() * 7_919_000_003) % (2**63)
-
-
-def build_optimizer(model: torch.nn.Module, o, device: torch.device) -> torch.optim.Optimizer:
-    """SGD or AdamW over the trainable parameters; one fused kernel per step on CUDA (same update, fewer launches),
-    the foreach implementation elsewhere."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **impl)
-    return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, **impl)
-
-
-def build_model(cfg: Config, n_old: int, backbone: Backbone | None, pretrained: bool) -> InfoSieve:
-    """The InfoSieve of `cfg`: `model`, train.frozen_bf16 / checkpoint_blocks / kernels, loss.labeller_grad_stop.
-    `pretrained=False` builds the backbone without `model.pretrained`, for a model a checkpoint fills (it holds every
-    weight, and the file may have moved since)."""
-    t = cfg.train
-    model_cfg = cfg.model if pretrained else dataclasses.replace(cfg.model, pretrained=None)
-    grad_stop = cfg.loss.labeller_grad_stop
-    return InfoSieve(model_cfg, n_old, backbone, t.frozen_bf16, t.checkpoint_blocks, t.kernels, grad_stop)
-
-
-def check_source_fits(cfg: Config, source: GCDSource) -> None:
-    """An epoch needs one full global batch, and balanced k-means needs clusters that hold every train sample."""
-    per_step = cfg.data.batch_size * dist.get_world_size()
-    if per_step > source.n_train:
-        raise ValueError(
-            f"data.batch_size={cfg.data.batch_size} (x {dist.get_world_size()} ranks) is more than the "
-            f"{source.n_train} train samples, so an epoch has no full batch: lower data.batch_size"
-        )
-    km = cfg.kmeans
-    if km.n_clusters is None and source.n_classes is None:
-        raise ConfigError(
-            "kmeans.n_clusters is null (K = the dataset's number of classes), but this data has an unlabelled pool, so "
-            "nobody knows that number: set kmeans.n_clusters=auto to estimate K, or to the number you expect"
-        )
-    if km.cluster_size is not None and km.n_clusters != "auto":
-        k = km.n_clusters or source.n_classes
-        if km.cluster_size * k < source.n_train:
-            raise ConfigError(
-                f"kmeans.cluster_size={km.cluster_size} x {k} clusters holds fewer than the {source.n_train} "
-                f"train samples: set it >= {-(-source.n_train // k)}, or null for ceil(N / K)"
-            )
 
 
 class Trainer:

@@ -39,7 +39,7 @@ _CHUNK = 1 << 20
 def collect(cfg: Config, device: torch.device | str, world_size: int, *, weights: bool = True) -> dict:
     """This process's fingerprint for a run of `cfg` on `device` with `world_size` ranks. `weights=False` leaves out
     `backbone_weights` (a resume reads every weight from its checkpoint, not from the file)."""
-    from .engine import autocast_enabled
+    from .trainer_setup import autocast_enabled
 
     device = torch.device(device)
     commit, dirty = source_tree.git_state()

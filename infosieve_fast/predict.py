@@ -48,8 +48,8 @@ from .data.intake import SHARD_SUFFIXES, is_manifest_folder, parse_image_keys, s
 from .data.stream import decode_image
 from .data.tar import IMAGE_KEYS, image_members, read_span
 from .discovery import cluster_name
-from .engine import resolve_device
 from .model import InfoSieve
+from .trainer_setup import resolve_device
 from .tree import code_strings
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")

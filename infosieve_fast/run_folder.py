@@ -30,8 +30,9 @@ from .best_checkpoint import BEST, BEST_CHECKPOINT, BestCheckpoint, write_best
 from .best_checkpoint import load as load_run_checkpoint
 from .config import Config, ConfigError, config_drift, from_saved, save_config
 from .data.base import GCDSource
-from .engine import Evaluation, Trainer, resolve_device, status_line, wants_cuda
+from .engine import Evaluation, Trainer, status_line
 from .model import Backbone
+from .trainer_setup import resolve_device, wants_cuda
 from .tree import build_tree, code_strings
 
 CONFIG, LOG, METRICS, RESUMES = "config.yaml", "log.jsonl", "metrics.json", "resumes.jsonl"

@@ -66,7 +66,7 @@ def patch(kind: str, n: int) -> None:
     """In the child: make the n-th call of `kind`'s function kill the process."""
     import torch
 
-    from infosieve_fast import checkpoint, engine
+    from infosieve_fast import checkpoint, engine, loss_monitor, model
     from infosieve_fast.kmeans import restarts as kmeans_restarts
 
     count = [0]
@@ -76,14 +76,14 @@ def patch(kind: str, n: int) -> None:
         return count[0] == n
 
     if kind == "mid-step":
-        record = engine.LossMonitor.record
+        record = loss_monitor.LossMonitor.record
 
         def recording(self, parts):
             record(self, parts)
             if hit():
                 die()
 
-        engine.LossMonitor.record = recording
+        loss_monitor.LossMonitor.record = recording
     elif kind == "mid-checkpoint-write":
         save = torch.save
 
@@ -139,7 +139,7 @@ def patch(kind: str, n: int) -> None:
 
         engine.semi_supervised_kmeans, kmeans_restarts._update_centers = clustering, updating
     elif kind == "feature-pass":
-        features = engine.InfoSieve.features
+        features = model.InfoSieve.features
 
         def featuring(self, images):
             out = features(self, images)
@@ -147,7 +147,7 @@ def patch(kind: str, n: int) -> None:
                 die()
             return out
 
-        engine.InfoSieve.features = featuring
+        model.InfoSieve.features = featuring
     elif kind == "mid-metrics-write":
         write_json = checkpoint.write_json
 

@@ -8,7 +8,8 @@ import torch
 from infosieve_fast import cli
 from infosieve_fast.checkpoint import load_checkpoint, read_log, restore_rng_state, rng_state, save_checkpoint
 from infosieve_fast.config import load_config
-from infosieve_fast.engine import LossMonitor, NonFiniteLoss, Trainer
+from infosieve_fast.engine import Trainer
+from infosieve_fast.loss_monitor import LossMonitor, NonFiniteLoss
 from infosieve_fast.model import Backbone
 from infosieve_fast.run_folder import train
 

@@ -19,6 +19,7 @@ from infosieve_fast.checkpoint import read_log
 from infosieve_fast.config import load_config
 from infosieve_fast.kmeans import semi_supervised_kmeans
 from infosieve_fast.loss import InfoSieveLoss
+from infosieve_fast.loss_monitor import NonFiniteLoss
 from infosieve_fast.model import Backbone
 from tests.test_engine import SMOKE, NaNInTraining
 from tests.test_kmeans_distributed import _free_port
@@ -77,7 +78,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
         try:
             run_folder.train(ddp_config(), out_dir / "nan", backbone=Backbone(NaNOnRank1(), 16, grad_from_block=None))
-        except eng.NonFiniteLoss as err:
+        except NonFiniteLoss as err:
             res["nan"] = str(err)
         torch.save(res, out_dir / f"rank{rank}.pt")
     finally:

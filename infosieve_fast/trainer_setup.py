@@ -1,0 +1,93 @@
+"""What a Trainer is built from: the device, the seeds of an epoch's random streams, the optimizer and the model, and
+the checks that the data fits the settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import distributed as dist
+from .config import Config, ConfigError
+from .data.base import GCDSource
+from .model import Backbone, InfoSieve
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device named by `train.device`; under torchrun a CUDA device is this process's `cuda:LOCAL_RANK`."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"train.device={name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name!r} but no CUDA device is available: use train.device=cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"train.device={name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "cuda" and dist.get_world_size() > 1:
+        if device.index is not None:
+            raise ValueError(f"train.device={name!r}: under torchrun each rank uses cuda:LOCAL_RANK; set cuda or auto")
+        device = torch.device("cuda", dist.local_rank())
+    return device
+
+
+def wants_cuda(name: str) -> bool:
+    return name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
+
+
+def autocast_enabled(amp: str, device: torch.device) -> bool:
+    return amp == "bf16" or (amp == "auto" and device.type == "cuda")
+
+
+def epoch_seed(seed: int, epoch: int, stream: int) -> int:
+    """Independent, reproducible seeds per (run seed, epoch, purpose)."""
+    return (seed * 1_000_003 + epoch * 101 + stream) % (2**63)
+
+
+def rank_seed(seed: int) -> int:
+    """`seed` on rank 0 (so one process draws exactly as before), a different stream on every other rank."""
+    return (seed + dist.get_rank() * 7_919_000_003) % (2**63)
+
+
+def build_optimizer(model: torch.nn.Module, o, device: torch.device) -> torch.optim.Optimizer:
+    """SGD or AdamW over the trainable parameters; one fused kernel per step on CUDA (same update, fewer launches),
+    the foreach implementation elsewhere."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **impl)
+    return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, **impl)
+
+
+def build_model(cfg: Config, n_old: int, backbone: Backbone | None, pretrained: bool) -> InfoSieve:
+    """The InfoSieve of `cfg`: `model`, train.frozen_bf16 / checkpoint_blocks / kernels, loss.labeller_grad_stop.
+    `pretrained=False` builds the backbone without `model.pretrained`, for a model a checkpoint fills (it holds every
+    weight, and the file may have moved since)."""
+    t = cfg.train
+    model_cfg = cfg.model if pretrained else dataclasses.replace(cfg.model, pretrained=None)
+    grad_stop = cfg.loss.labeller_grad_stop
+    return InfoSieve(model_cfg, n_old, backbone, t.frozen_bf16, t.checkpoint_blocks, t.kernels, grad_stop)
+
+
+def check_source_fits(cfg: Config, source: GCDSource) -> None:
+    """An epoch needs one full global batch, and balanced k-means needs clusters that hold every train sample."""
+    per_step = cfg.data.batch_size * dist.get_world_size()
+    if per_step > source.n_train:
+        raise ValueError(
+            f"data.batch_size={cfg.data.batch_size} (x {dist.get_world_size()} ranks) is more than the "
+            f"{source.n_train} train samples, so an epoch has no full batch: lower data.batch_size"
+        )
+    km = cfg.kmeans
+    if km.n_clusters is None and source.n_classes is None:
+        raise ConfigError(
+            "kmeans.n_clusters is null (K = the dataset's number of classes), but this data has an unlabelled pool, so "
+            "nobody knows that number: set kmeans.n_clusters=auto to estimate K, or to the number you expect"
+        )
+    if km.cluster_size is not None and km.n_clusters != "auto":
+        k = km.n_clusters or source.n_classes
+        if km.cluster_size * k < source.n_train:
+            raise ConfigError(
+                f"kmeans.cluster_size={km.cluster_size} x {k} clusters holds fewer than the {source.n_train} "
+                f"train samples: set it >= {-(-source.n_train // k)}, or null for ceil(N / K)"
+            )
