@@ -9,6 +9,7 @@ writer is raised there (or at exit)."""
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import pickle
@@ -23,6 +24,15 @@ from typing import Any
 import torch
 
 CHECKPOINT = "checkpoint.pt"
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def atomic_write(path: Path, write) -> None:

@@ -175,81 +175,122 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
                         "run's checkpoint.best criterion")  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infosieve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("train", help="train InfoSieve (or resume a run)")
+def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override, e.g. optim.lr=0.05 (on --resume: a recorded change)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override, e.g. optim.lr=0.05 (on --resume: a recorded change)",
+    )
     p.add_argument("--data.shards", dest="data_shards", help="shard folder (same as --set data.shards=DIR)")
     p.add_argument("--out", help="run folder (default runs/<config>-<timestamp>)")
-    p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue a run from its last checkpoint (from scratch if it has none yet)")  # fmt: skip
-    p.set_defaults(func=_train)
+    p.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint (from scratch if it has none yet)"
+    )
 
-    p = sub.add_parser("eval", help="recompute All/Old/New accuracy from a run's checkpoint")
+
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, metavar="RUN_DIR")
-    p.add_argument("--split", choices=("train", "test"), default="train",
-                   help="train: SS-k-means of the unlabelled train samples (the reported metric); test: the held-out "
-                   "test split, each image to the nearest final centre")  # fmt: skip
+    p.add_argument(
+        "--split",
+        choices=("train", "test"),
+        default="train",
+        help="train: SS-k-means of the unlabelled train samples (the reported metric); test: the held-out "
+        "test split, each image to the nearest final centre",
+    )
     add_checkpoint_argument(p)
-    p.set_defaults(func=_eval)
 
-    p = sub.add_parser("tree", help="the implicit category tree of a run's learned codes")
+
+def _tree_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, metavar="RUN_DIR")
     p.add_argument("--depth", type=int, default=6, help="deepest code prefix shown (default 6)")
     p.add_argument("--json", help="where to write the tree (default RUN_DIR/tree.json)")
-    p.set_defaults(func=_tree)
 
-    p = sub.add_parser("predict", help="sort new images with a trained run (cluster, name, margin, code)")
+
+def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, metavar="RUN_DIR")
     p.add_argument("--images", required=True, metavar="PATH", help="an image folder, a list file or a shards folder")
     p.add_argument("--out", required=True, metavar="FILE", help="FILE.jsonl or FILE.csv")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.set_defaults(func=_predict)
 
-    p = sub.add_parser("report", help="write RUN/report.html: losses, schedules, accuracy, confusion, the tree")
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, metavar="RUN_DIR")
     p.add_argument("--depth", type=int, default=4, help="depth of the tree picture (default 4)")
     add_checkpoint_argument(p)
-    p.set_defaults(func=_report)
 
-    p = sub.add_parser("estimate-k", help="estimate the number of categories (GCD's method) from a run or features")
+
+def _estimate_k_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", metavar="RUN_DIR", help="a run folder: its checkpoint's features of the train samples")
     p.add_argument("--features", metavar="FILE.npz", help="an .npz with F [N, D] and y [N]")
     p.add_argument("--known-classes", type=int, metavar="C", help="with --features: classes 0..C-1 are known")
     p.add_argument("--k-max", type=int, help="largest K searched (default 4 x the known classes)")
     p.add_argument("--seeds", type=int, default=4, help="k-means runs averaged per K (default 4)")
     p.add_argument("--json", help="also write the result here")
-    p.set_defaults(func=_estimate_k)
 
-    p = sub.add_parser("make-shards", help="write a dataset's GCD split as WebDataset shards")
-    shards.add_cli_arguments(p)
-    p.set_defaults(func=_make_shards)
 
-    p = sub.add_parser("sweep", help="run a config over seeds and a grid of --set values, and summarise them")
+def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     p.add_argument("--seeds", required=True, help="train.seed values: a range 1-5, a list 1,3,7, or both")
-    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a config key and its values; several --grid run every combination")  # fmt: skip
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a config key and its values; several --grid run every combination",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every run")
     p.add_argument("--out", required=True, help="the sweep folder (the same command again continues it)")
-    p.add_argument("--devices", help="cuda:0,cuda:1 (one run per GPU at a time) or cpu; default: one run after "
-                   "another in this process, on the config's train.device")  # fmt: skip
-    p.set_defaults(func=_sweep)
+    p.add_argument(
+        "--devices",
+        help="cuda:0,cuda:1 (one run per GPU at a time) or cpu; default: one run after "
+        "another in this process, on the config's train.device",
+    )
 
-    p = sub.add_parser("compare", help="runs and sweeps side by side, beside the paper's published numbers")
+
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP", help="run folders and sweep folders")
-    p.add_argument("--out", default="compare.html",
-                   help="the HTML page (default compare.html); its PNGs go to the folder of its name")  # fmt: skip
+    p.add_argument(
+        "--out",
+        default="compare.html",
+        help="the HTML page (default compare.html); its PNGs go to the folder of its name",
+    )
     p.add_argument("--json", help="also write the comparison here as JSON")
-    p.add_argument("--reference", action="append", default=[], metavar="DATASET",
-                   help="also show the paper's published rows for this dataset (cub, aircraft, scars, pets, "
-                   "herbarium19, cifar10, cifar100, imagenet100), in their own table")  # fmt: skip
-    p.set_defaults(func=_compare)
+    p.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        metavar="DATASET",
+        help="also show the paper's published rows for this dataset (cub, aircraft, scars, pets, "
+        "herbarium19, cifar10, cifar100, imagenet100), in their own table",
+    )
+
+
+# (name, help, arguments, handler) of each subcommand, in the order `infosieve --help` lists them
+_COMMANDS = (
+    ("train", "train InfoSieve (or resume a run)", _train_arguments, _train),
+    ("eval", "recompute All/Old/New accuracy from a run's checkpoint", _eval_arguments, _eval),
+    ("tree", "the implicit category tree of a run's learned codes", _tree_arguments, _tree),
+    ("predict", "sort new images with a trained run (cluster, name, margin, code)", _predict_arguments, _predict),
+    ("report", "write RUN/report.html: losses, schedules, accuracy, confusion, the tree", _report_arguments, _report),
+    ("estimate-k", "estimate the number of categories (GCD's method) from a run or features", _estimate_k_arguments,
+     _estimate_k),
+    ("make-shards", "write a dataset's GCD split as WebDataset shards", shards.add_cli_arguments, _make_shards),
+    ("sweep", "run a config over seeds and a grid of --set values, and summarise them", _sweep_arguments, _sweep),
+    ("compare", "runs and sweeps side by side, beside the paper's published numbers", _compare_arguments, _compare),
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infosieve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text, add_arguments, handler in _COMMANDS:
+        p = sub.add_parser(name, help=help_text)
+        add_arguments(p)
+        p.set_defaults(func=handler)
     return parser
 
 

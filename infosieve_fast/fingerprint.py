@@ -9,7 +9,6 @@ on. Every resume's environment is added to RUN/fingerprint-resumes.jsonl; finger
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import platform
@@ -33,7 +32,6 @@ NUMERICS_FIELDS = (
     "precision.tf32_matmul", "precision.tf32_cudnn", "precision.float32_matmul_precision", "precision.amp_dtype",
     "world_size", "backbone_weights.sha256",
 )  # fmt: skip
-_CHUNK = 1 << 20
 
 
 def collect(cfg: Config, device: torch.device | str, world_size: int, *, weights: bool = True) -> dict:
@@ -99,15 +97,7 @@ def backbone_weights(model: ModelConfig) -> dict:
     path = weights_file(model)
     if path is None:
         return {"path": None, "sha256": None}
-    return {"path": str(path), "sha256": sha256_file(path) if path.is_file() else None}
-
-
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return {"path": str(path), "sha256": ckpt.file_sha256(path) if path.is_file() else None}
 
 
 def write(run_dir: str | Path, fingerprint: dict) -> None:

@@ -128,7 +128,7 @@ def _load(source: object, shorter: int, channels: int) -> Tensor:
     """uint8 [C, H, W] resized to the given shorter side (bicubic, antialiased, as make-shards and the reference)."""
     from PIL import Image
 
-    from .data.shards import resize_image
+    from .data.encode import resize_image
 
     if isinstance(source, ShardImage):
         img = decode_image(read_span(source.tar, source.offset, source.length))

@@ -249,12 +249,7 @@ def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict
     for name, caption, draw in figures:
         draw(out / name)
         body.append(figure_html(out / name, caption))
-    table = ""
-    if metrics is not None:
-        rows = "".join(f"<tr><td>{s}</td>" + "".join("<td>not computed</td>" if k in unscored else
-                                                     f"<td>{metrics[s][k]:.4f}</td>" for k in ("all", "old", "new"))
-                       + "</tr>" for s in ("before", "after"))  # fmt: skip
-        table = f"<table><tr><th></th><th>All</th><th>Old</th><th>New</th></tr>{rows}</table>"
+    table = metrics_table(metrics, unscored) if metrics is not None else ""
     if clustering is not None and (np.asarray(clustering["targets"]) == NO_LABEL).any():
         table += run_pool_section(run, clustering)
     notes_html = "".join(f"<p><em>{html.escape(n)}</em></p>" for n in notes)
@@ -263,6 +258,19 @@ def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict
     path = run / "report.html"
     path.write_text(page)
     return path
+
+
+def metrics_table(metrics: dict, unscored: dict) -> str:
+    """All/Old/New before and after training as an HTML table; "not computed" for the parts in `unscored`."""
+
+    def cell(stage: str, part: str) -> str:
+        return "<td>not computed</td>" if part in unscored else f"<td>{metrics[stage][part]:.4f}</td>"
+
+    rows = "".join(
+        f"<tr><td>{stage}</td>" + "".join(cell(stage, part) for part in ("all", "old", "new")) + "</tr>"
+        for stage in ("before", "after")
+    )
+    return f"<table><tr><th></th><th>All</th><th>Old</th><th>New</th></tr>{rows}</table>"
 
 
 def best_checkpoint_view(run: Path, depth: int) -> tuple[str, dict, dict, dict]:

@@ -8,7 +8,8 @@ it; `DeviceAugment` crops each image inside its own size.
 
 A batch whose nvJPEG call fails (nvJPEG missing or broken on the machine, or one image it cannot decode: the batched
 call then fails as a whole) is decoded on the CPU instead; only an image the CPU cannot decode either is lost.
-`DecodeCounts` keeps how many images each path decoded.
+`DecodeCounts` keeps how many images each path decoded. An image stored at another size than the one served
+(`load_hw`) is resized after decoding (`resize_uint8`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from .encode import resized_size
 from .tar import PNG_MAGIC
 
 with warnings.catch_warnings():
@@ -41,6 +44,38 @@ def cap_aspect(img: Tensor, max_aspect: float | None) -> Tensor:
     ch, cw = capped_hw(h, w, max_aspect)
     top, left = (h - ch) // 2, (w - cw) // 2
     return img[:, top : top + ch, left : left + cw]
+
+
+def load_hw(h: int, w: int, size: int) -> tuple[int, int]:
+    """The (h, w) a stored h x w image is served at: as stored when its shorter side is `size` (make-shards wrote it
+    so), else resized as make-shards resizes (torchvision's `Resize(size)`)."""
+    if min(h, w) == size:
+        return h, w
+    new_w, new_h = resized_size(w, h, size)
+    return new_h, new_w
+
+
+def _per_size(hw: np.ndarray, size_of) -> np.ndarray:
+    """`size_of(h, w)` of every row of `hw` [N, 2], computed once per distinct size (a reopened index of a million
+    samples holds far fewer sizes)."""
+    sizes, inverse = np.unique(hw.reshape(-1, 2), axis=0, return_inverse=True)
+    mapped = np.asarray([size_of(int(h), int(w)) for h, w in sizes], np.int64).reshape(-1, 2)
+    return mapped[inverse.reshape(-1)]
+
+
+def served_sizes(stored_hw: np.ndarray, size: int, max_aspect: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `stored_hw` [N, 2]: the size the image is loaded at (`load_hw`), and the size it is served at after
+    the aspect cap (`capped_hw`)."""
+    loaded = _per_size(stored_hw, lambda h, w: load_hw(h, w, size))
+    return loaded, _per_size(loaded, lambda h, w: capped_hw(h, w, max_aspect))
+
+
+def resize_uint8(img: Tensor, hw: tuple[int, int]) -> Tensor:
+    """uint8 [C, H, W] -> [C, *hw] (bicubic, antialiased), on the image's device; the image itself at that size."""
+    if tuple(img.shape[-2:]) == tuple(hw):
+        return img
+    out = torch.nn.functional.interpolate(img[None].float(), size=tuple(hw), mode="bicubic", antialias=True)
+    return out[0].round_().clamp_(0, 255).to(torch.uint8)
 
 
 def _is_png(encoded: Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 Each reader returns a `RawDataset`: the train and test samples in the dataset's native order (the order the reference
 loaders produce, which fixes which images `labelled_subset` picks), native class ids, and the known/novel class lists
-in remapping order. Nothing is decoded here; `shards.py` decodes and resizes.
+in remapping order. Nothing is decoded here; make-shards (`encode.py`) decodes and resizes.
 
 | name          | layout (under --root)                                                                             |
 |---------------|---------------------------------------------------------------------------------------------------|
@@ -23,18 +23,23 @@ in remapping order. Nothing is decoded here; `shards.py` decodes and resizes.
 
 from __future__ import annotations
 
-import os
 import pickle
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..metrics import NO_LABEL
+from .layout_common import (
+    LayoutError,
+    RawDataset,
+    class_dirs,
+    first_existing,
+    image_folder,
+    need,
+    read_id_file,
+    relative_paths,
+)
+from .layout_discovery import DISCOVERY, read_discovery
 from .splits import class_split, imagenet100_choice
-
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's list
 
 DATASETS = (
     "cifar10",
@@ -61,28 +66,6 @@ ALIASES = {
 GENERIC = ("imagefolder", "cubfiles")
 
 
-class LayoutError(ValueError):
-    """The folder does not hold the dataset in the expected layout."""
-
-
-@dataclass
-class RawDataset:
-    """A dataset as read from disk: sources are file paths or HxWx3 uint8 arrays (CIFAR)."""
-
-    dataset: str
-    root: Path
-    class_names: list[str]  # native class id -> name
-    known: list[int]  # native ids, remapping order
-    novel: list[int]
-    train: list  # str path or np.ndarray per sample, native order
-    train_labels: np.ndarray  # native class ids
-    train_names: list[str]  # what to call each sample in reports (path relative to root, or file[index])
-    test: list = field(default_factory=list)
-    test_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    test_names: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
 def canonical_name(dataset: str) -> str:
     name = ALIASES.get(dataset.lower(), dataset.lower())
     if name not in DATASETS:
@@ -96,7 +79,7 @@ def read_dataset(dataset: str, root: str | Path, known_classes: list[int] | None
     root = Path(root).expanduser().resolve()
     if not root.is_dir():
         raise LayoutError(f"--root {root} is not a folder")
-    if name == "discovery" and known_classes is not None:
+    if name == DISCOVERY and known_classes is not None:
         raise LayoutError("--dataset discovery takes the known classes from the folders under labelled/: drop "
                           "--known-classes")
     raw = _READERS[name](root)
@@ -116,58 +99,18 @@ def read_dataset(dataset: str, root: str | Path, known_classes: list[int] | None
     return raw
 
 
-# ---- helpers ---------------------------------------------------------------------------------------------------
-
-
-def _need(path: Path, what: str) -> Path:
-    if not path.exists():
-        raise LayoutError(f"{what}: {path} not found")
-    return path
-
-
-def _first_existing(candidates: list[Path], what: str) -> Path:
-    for c in candidates:
-        if c.exists():
-            return c
-    raise LayoutError(f"{what}: none of {', '.join(str(c) for c in candidates)} exists")
-
-
-def _image_folder(directory: Path, classes: list[str]) -> tuple[list[str], list[int]]:
-    """torchvision `make_dataset` order: classes in the given order, files by sorted os.walk, known extensions."""
-    paths, labels = [], []
-    for idx, name in enumerate(classes):
-        target = directory / name
-        if not target.is_dir():
-            continue
-        for dirpath, _, fnames in sorted(os.walk(target, followlinks=True)):
-            for fname in sorted(fnames):
-                if fname.lower().endswith(IMG_EXTENSIONS):
-                    paths.append(os.path.join(dirpath, fname))
-                    labels.append(idx)
-    return paths, labels
-
-
-def _class_dirs(directory: Path) -> list[str]:
-    """ImageFolder's class order: sorted (lexicographic) sub-folder names."""
-    return sorted(e.name for e in os.scandir(directory) if e.is_dir())
-
-
-def _rel(paths: list[str], root: Path) -> list[str]:
-    return [os.path.relpath(p, root) for p in paths]
-
-
-def _read_id_file(path: Path) -> list[tuple[str, str]]:
-    """Lines 'id rest' or 'id, rest' (CUB's files and the CUB-style variant with ', ')."""
-    rows = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = re.split(r",?\s+", line, maxsplit=1)
-        if len(parts) != 2:
-            raise LayoutError(f"{path}: cannot parse line {line!r}")
-        rows.append((parts[0], parts[1]))
-    return rows
+def _folder_dataset(
+    dataset: str, root: Path, classes: list[str], train_dir: Path, test_dir: Path | None, notes: list[str]
+) -> RawDataset:
+    """`classes` read as an ImageFolder from `train_dir` and `test_dir` (None: no test split): class id = position in
+    `classes`. Known and novel classes: the reference's split (for the generic layouts `read_dataset` sets them)."""
+    train, train_labels = image_folder(train_dir, classes)
+    test, test_labels = image_folder(test_dir, classes) if test_dir else ([], [])
+    split = None if dataset in GENERIC else class_split(dataset)
+    known, novel = (list(split.known), list(split.novel)) if split else ([], [])
+    train_part = (train, np.asarray(train_labels, np.int64), relative_paths(train, root))
+    test_part = (test, np.asarray(test_labels, np.int64), relative_paths(test, root))
+    return RawDataset(dataset, root, classes, known, novel, *train_part, *test_part, notes=notes)
 
 
 # ---- CIFAR -----------------------------------------------------------------------------------------------------
@@ -202,7 +145,7 @@ def _cifar(root: Path, dataset: str) -> RawDataset:
     def load(files: list[str]) -> tuple[list, np.ndarray, list[str]]:
         images, labels, names = [], [], []
         for fname in files:
-            d = _unpickle(_need(folder / fname, f"{dataset} batch file"))
+            d = _unpickle(need(folder / fname, f"{dataset} batch file"))
             data = np.asarray(d["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
             images.extend(np.ascontiguousarray(x) for x in data)
             labels.extend(int(y) for y in d[label_key])
@@ -212,7 +155,7 @@ def _cifar(root: Path, dataset: str) -> RawDataset:
     train, train_labels, train_names = load(train_files)
     test, test_labels, test_names = load(test_files)
     class_names = [
-        n.decode() if isinstance(n, bytes) else n for n in _unpickle(_need(folder / meta, "meta"))[names_key]
+        n.decode() if isinstance(n, bytes) else n for n in _unpickle(need(folder / meta, "meta"))[names_key]
     ]
     split = class_split(dataset)
     return RawDataset(
@@ -231,27 +174,14 @@ def _ilsvrc(root: Path, why_all: str) -> tuple[Path, Path, list[str]]:
 
     Refuses a train folder without exactly 1000 class folders (`why_all` says why the dataset needs them all) and a
     val folder with no class folders (the flat val download, not yet sorted into class folders)."""
-    train_dir = _need(root / "train", "ImageNet train folder (train/<wnid>/...)")
-    val_dir = _need(root / "val", "ImageNet val folder sorted into class folders (val/<wnid>/...)")
-    classes = _class_dirs(train_dir)
+    train_dir = need(root / "train", "ImageNet train folder (train/<wnid>/...)")
+    val_dir = need(root / "val", "ImageNet val folder sorted into class folders (val/<wnid>/...)")
+    classes = class_dirs(train_dir)
     if len(classes) != ILSVRC_CLASSES:
         raise LayoutError(f"{train_dir} has {len(classes)} class folders: {why_all}")
-    if not _class_dirs(val_dir):
+    if not class_dirs(val_dir):
         raise LayoutError(f"{val_dir} has no class folders: sort the val images into val/<wnid>/ (e.g. valprep.sh)")
     return train_dir, val_dir, classes
-
-
-def _imagenet_raw(
-    dataset: str, root: Path, train_dir: Path, val_dir: Path, classes: list[str], notes: list[str]
-) -> RawDataset:
-    """`classes` (wnids) read as an ImageFolder from train/ and val/: class id = position in `classes`."""
-    train, train_labels = _image_folder(train_dir, classes)
-    test, test_labels = _image_folder(val_dir, classes)
-    split = class_split(dataset)
-    return RawDataset(
-        dataset, root, classes, list(split.known), list(split.novel), train, np.asarray(train_labels, np.int64),
-        _rel(train, root), test, np.asarray(test_labels, np.int64), _rel(test, root), notes=notes,
-    )  # fmt: skip
 
 
 def _imagenet100(root: Path) -> RawDataset:
@@ -262,7 +192,7 @@ def _imagenet100(root: Path) -> RawDataset:
     )
     chosen = [classes[i] for i in imagenet100_choice()]  # remapped id j = position in the sorted choice
     notes = ["ImageNet-100 classes: np.random.seed(0) choice of 100 of the 1000 sorted folders, remapped 0..99"]
-    return _imagenet_raw("imagenet100", root, train_dir, val_dir, chosen, notes)
+    return _folder_dataset("imagenet100", root, chosen, train_dir, val_dir, notes)
 
 
 def _imagenet1k(root: Path) -> RawDataset:
@@ -271,7 +201,7 @@ def _imagenet1k(root: Path) -> RawDataset:
         f"ImageNet-1k (ILSVRC-2012) has {ILSVRC_CLASSES}; point --root at the folder whose train/ holds all "
         f"{ILSVRC_CLASSES} <wnid> folders (for a subset of the classes use --dataset imagefolder)",
     )
-    val_classes = _class_dirs(val_dir)
+    val_classes = class_dirs(val_dir)
     if val_classes != classes:
         diff = []
         for what, names in (
@@ -286,7 +216,7 @@ def _imagenet1k(root: Path) -> RawDataset:
             f"into val/<wnid>/ with the train's {ILSVRC_CLASSES} wnids (e.g. valprep.sh)"
         )
     notes = ["ImageNet-1k classes: the 1000 sorted wnid folders, ids 0..999; known = 0..499, novel = 500..999"]
-    return _imagenet_raw("imagenet1k", root, train_dir, val_dir, classes, notes)
+    return _folder_dataset("imagenet1k", root, classes, train_dir, val_dir, notes)
 
 
 # ---- CUB and CUB-style files -----------------------------------------------------------------------------------
@@ -294,11 +224,11 @@ def _imagenet1k(root: Path) -> RawDataset:
 
 def _cub_tables(root: Path) -> tuple[Path, list[str], list[str], list[int], list[str], dict[str, int]]:
     """(folder, image ids, relative paths, 0-based class ids, class names, split flag by image id), images.txt order."""
-    folder = _first_existing([root / "CUB_200_2011", root], "CUB folder with images.txt")
+    folder = first_existing([root / "CUB_200_2011", root], "CUB folder with images.txt")
     if not (folder / "images.txt").exists():
         folder = root
-    images = _read_id_file(_need(folder / "images.txt", "CUB images.txt"))
-    labels = dict(_read_id_file(_need(folder / "image_class_labels.txt", "CUB image_class_labels.txt")))
+    images = read_id_file(need(folder / "images.txt", "CUB images.txt"))
+    labels = dict(read_id_file(need(folder / "image_class_labels.txt", "CUB image_class_labels.txt")))
     missing = [i for i, _ in images if i not in labels]
     if missing:
         raise LayoutError(f"{folder}/image_class_labels.txt has no label for image ids {missing[:5]}")
@@ -308,11 +238,11 @@ def _cub_tables(root: Path) -> tuple[Path, list[str], list[str], list[int], list
     n = max(cls) + 1
     names = [str(c) for c in range(n)]
     if (folder / "classes.txt").exists():
-        for cid, name in _read_id_file(folder / "classes.txt"):
+        for cid, name in read_id_file(folder / "classes.txt"):
             if 0 <= int(cid) - base < n:
                 names[int(cid) - base] = name
     split_file = folder / "train_test_split.txt"
-    flags = {i: int(f) for i, f in _read_id_file(split_file)} if split_file.exists() else {}
+    flags = {i: int(f) for i, f in read_id_file(split_file)} if split_file.exists() else {}
     return folder, [i for i, _ in images], [p for _, p in images], cls, names, flags
 
 
@@ -324,7 +254,7 @@ def _cub(root: Path) -> RawDataset:
         )
     if not flags:
         raise LayoutError(f"{folder}/train_test_split.txt is missing: CUB's train/test split comes from it")
-    img_dir = _need(folder / "images", "CUB images folder")
+    img_dir = need(folder / "images", "CUB images folder")
     train_idx = [k for k, i in enumerate(ids) if flags[i] == 1]
     test_idx = [k for k, i in enumerate(ids) if flags[i] == 0]
     split = class_split("cub")
@@ -337,7 +267,7 @@ def _cub(root: Path) -> RawDataset:
 
 def _cubfiles(root: Path) -> RawDataset:
     folder, _, rel, cls, names, _ = _cub_tables(root)
-    img_dir = _need(folder / "images", "images folder")
+    img_dir = need(folder / "images", "images folder")
     return RawDataset(
         "cubfiles", root, names, [], [], [str(img_dir / p) for p in rel], np.asarray(cls, np.int64), rel,
         notes=["cubfiles: every image is a train image (train_test_split.txt, if any, is not used); no test split"],
@@ -366,7 +296,7 @@ def _scars(root: Path) -> RawDataset:
     split = class_split("scars")
     devkit = root / "devkit"
     if (devkit / "cars_train_annos.mat").exists():
-        test_annos = _first_existing(
+        test_annos = first_existing(
             [root / "cars_test_annos_withlabels.mat", devkit / "cars_test_annos_withlabels.mat"],
             "Stanford Cars test labels (cars_test_annos_withlabels.mat)",
         )
@@ -403,13 +333,13 @@ def _scars(root: Path) -> RawDataset:
 
 
 def _aircraft(root: Path) -> RawDataset:
-    data = _first_existing([root / "fgvc-aircraft-2013b" / "data", root / "data", root], "FGVC-Aircraft data folder")
+    data = first_existing([root / "fgvc-aircraft-2013b" / "data", root / "data", root], "FGVC-Aircraft data folder")
     if not (data / "images_variant_trainval.txt").exists():
         raise LayoutError(f"{data}/images_variant_trainval.txt not found (FGVC-Aircraft 2013b)")
 
     def parse(name: str) -> tuple[list[str], list[str]]:
         ids, variants = [], []
-        for line in _need(data / name, "FGVC-Aircraft list").read_text().splitlines():
+        for line in need(data / name, "FGVC-Aircraft list").read_text().splitlines():
             if line.strip():
                 img_id, variant = line.split(" ", 1)
                 ids.append(img_id)
@@ -439,12 +369,12 @@ def _aircraft(root: Path) -> RawDataset:
 
 
 def _pets(root: Path) -> RawDataset:
-    ann = _need(root / "annotations", "Oxford-IIIT Pet annotations folder")
+    ann = need(root / "annotations", "Oxford-IIIT Pet annotations folder")
     names: dict[int, str] = {}
 
     def parse(fname: str) -> tuple[list[str], np.ndarray, list[str]]:
         rel, labels = [], []
-        for line in _need(ann / fname, "Pets list").read_text().splitlines():
+        for line in need(ann / fname, "Pets list").read_text().splitlines():
             if not line.strip() or line.startswith("#"):
                 continue
             stem, class_id = line.split()[:2]
@@ -464,25 +394,19 @@ def _pets(root: Path) -> RawDataset:
 
 
 def _herbarium19(root: Path) -> RawDataset:
-    train_dir = _need(root / "small-train", "Herbarium19 small-train folder")
-    val_dir = _need(root / "small-validation", "Herbarium19 small-validation folder")
-    classes = _class_dirs(train_dir)  # ImageFolder: lexicographic folder order; the pickle's ids refer to it
+    train_dir = need(root / "small-train", "Herbarium19 small-train folder")
+    val_dir = need(root / "small-validation", "Herbarium19 small-validation folder")
+    classes = class_dirs(train_dir)  # ImageFolder: lexicographic folder order; the pickle's ids refer to it
     if len(classes) != 683:
         raise LayoutError(f"{train_dir} has {len(classes)} class folders, Herbarium19 has 683")
     notes = []
-    val_classes = _class_dirs(val_dir)
+    val_classes = class_dirs(val_dir)
     if val_classes != classes:
         notes.append(
             f"small-validation has {len(val_classes)} class folders, not the train's 683: its images are labelled by "
             "folder name (the reference's own ImageFolder would shift the indices)"
         )
-    train, train_labels = _image_folder(train_dir, classes)
-    test, test_labels = _image_folder(val_dir, classes)
-    split = class_split("herbarium19")
-    return RawDataset(
-        "herbarium19", root, classes, list(split.known), list(split.novel), train, np.asarray(train_labels, np.int64),
-        _rel(train, root), test, np.asarray(test_labels, np.int64), _rel(test, root), notes=notes,
-    )  # fmt: skip
+    return _folder_dataset("herbarium19", root, classes, train_dir, val_dir, notes)
 
 
 # ---- generic ImageFolder ---------------------------------------------------------------------------------------
@@ -494,86 +418,11 @@ def _imagefolder(root: Path) -> RawDataset:
         test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
     else:
         train_dir, test_dir = root, None
-    classes = _class_dirs(train_dir)
+    classes = class_dirs(train_dir)
     if not classes:
         raise LayoutError(f"{train_dir} has no class folders (expected <class>/<image> or train/<class>/<image>)")
-    train, train_labels = _image_folder(train_dir, classes)
-    test, test_labels = _image_folder(test_dir, classes) if test_dir else ([], [])
     notes = [] if test_dir else ["imagefolder: no train/ + test/ (or val/) folders, so every image is a train image"]
-    return RawDataset(
-        "imagefolder", root, classes, [], [], train, np.asarray(train_labels, np.int64), _rel(train, root), test,
-        np.asarray(test_labels, np.int64), _rel(test, root), notes=notes,
-    )  # fmt: skip
-
-
-# ---- your own images: labelled/<class>/ + unlabelled/ ---------------------------------------------------------
-
-DISCOVERY_LAYOUT = (
-    "labelled/<class>/<image> (the known classes, one folder each) and unlabelled/<image> (the pool to sort, any "
-    "sub-folders)"
-)
-
-
-def _walk_images(directory: Path) -> tuple[list[str], list[str]]:
-    """(image files, other files) under `directory`, in sorted os.walk order (links followed)."""
-    images, others = [], []
-    for dirpath, _, fnames in sorted(os.walk(directory, followlinks=True)):
-        for fname in sorted(fnames):
-            (images if fname.lower().endswith(IMG_EXTENSIONS) else others).append(os.path.join(dirpath, fname))
-    return images, others
-
-
-def _few(paths: list[str], root: Path, n: int = 3) -> str:
-    shown = ", ".join(os.path.relpath(p, root) for p in paths[:n])
-    return shown + (", ..." if len(paths) > n else "")
-
-
-def _labelled_images(labelled: Path, root: Path) -> tuple[list[str], list[str], list[int], list[str]]:
-    """(class names, image paths, their class ids, other files) of `labelled/<class>/...`; class id = position in
-    the sorted folder names (ImageFolder's order)."""
-    classes = _class_dirs(labelled)
-    loose = [e.path for e in os.scandir(labelled) if e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS)]
-    if loose:
-        raise LayoutError(f"{len(loose)} image(s) lie directly in {labelled} ({_few(sorted(loose), root)}), outside a "
-                          "class folder: move each into labelled/<its class>/")  # fmt: skip
-    if not classes:
-        raise LayoutError(f"{labelled} has no class folders: the layout is {DISCOVERY_LAYOUT}")
-    paths, labels, others, empty = [], [], [], []
-    for idx, name in enumerate(classes):
-        images, rest = _walk_images(labelled / name)
-        if not images:
-            empty.append(name)
-        paths += images
-        labels += [idx] * len(images)
-        others += rest
-    if empty:
-        raise LayoutError(f"{len(empty)} of the {len(classes)} class folders under {labelled} hold no images "
-                          f"({', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}): add images of those classes "
-                          f"or remove the folders (images end in {', '.join(IMG_EXTENSIONS)})")  # fmt: skip
-    return classes, paths, labels, others
-
-
-def _discovery(root: Path) -> RawDataset:
-    """Your own images: every class folder of labelled/ is a known class (ids in sorted folder order), every image of
-    unlabelled/ a pool image with no label (target NO_LABEL). Files that are not images (by extension) are left out
-    and counted in a note."""
-    labelled = _need(root / "labelled", f"the labelled images; the layout is {DISCOVERY_LAYOUT}")
-    unlabelled = _need(root / "unlabelled", f"the unlabelled pool; the layout is {DISCOVERY_LAYOUT}")
-    classes, paths, labels, others = _labelled_images(labelled, root)
-    pool, rest = _walk_images(unlabelled)
-    if not pool:
-        raise LayoutError(f"{unlabelled} holds no images (files ending in {', '.join(IMG_EXTENSIONS)}): put the "
-                          "images to sort there (to train on labelled images alone, use --dataset imagefolder)")
-    others += rest
-    notes = [f"discovery: {len(classes)} known classes ({len(paths):,} labelled images), {len(pool):,} unlabelled "
-             "images; the number of novel classes is unknown (train with kmeans.n_clusters: auto or a number)"]
-    if others:
-        notes.append(f"{len(others)} file(s) are not images by their extension and are left out: {_few(others, root)}")
-    train = paths + pool
-    train_labels = np.asarray(labels + [NO_LABEL] * len(pool), np.int64)
-    return RawDataset(
-        "discovery", root, classes, list(range(len(classes))), [], train, train_labels, _rel(train, root), notes=notes
-    )
+    return _folder_dataset("imagefolder", root, classes, train_dir, test_dir, notes)
 
 
 _READERS = {
@@ -588,5 +437,5 @@ _READERS = {
     "herbarium19": _herbarium19,
     "imagefolder": _imagefolder,
     "cubfiles": _cubfiles,
-    "discovery": _discovery,
+    DISCOVERY: read_discovery,
 }

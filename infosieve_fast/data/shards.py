@@ -24,335 +24,54 @@ Robustness:
 from __future__ import annotations
 
 import argparse
-import hashlib
-import io
+import functools
 import json
 import os
-import struct
 import sys
-import tarfile
 import time
-import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint import atomic_write
-from .layouts import DATASETS, RawDataset, canonical_name, read_dataset
-from .splits import check_counts, discovery_counts, discovery_split, gcd_split, split_counts
+from .encode import IMAGE_FORMATS, JPEG_QUALITY, load_rgb, resize_image, resized_size
+from .layout_discovery import DISCOVERY
+from .layouts import DATASETS, LayoutError, RawDataset, canonical_name, read_dataset
+from .shard_manifest import (
+    FORMAT,
+    MANIFEST,
+    STATE,
+    ShardsError,
+    atomic_json,
+    build_manifest,
+    check_out,
+    discovery_skipped,
+    resumable,
+    settings_fingerprint,
+    verified,
+    written_counts,
+)
+from .shard_writer import Plan, ShardWriter, encoding_pool, plans
+from .splits import check_counts
 
-FORMAT = "infosieve-shards/1"
-JPEG_QUALITY = 95
-IMAGE_FORMATS = ("jpg", "png")  # the stored image's encoding = the sample's image key in the tar
-PNG_COMPRESS_LEVEL = 1  # zlib level: 1 is ~3x faster to write than 6 for ~10% more bytes
-MANIFEST = "manifest.json"
-STATE = ".make-shards-state.json"
-ORDER_SEED = 0  # the fixed shuffle of the train write order
-PROP, SPLIT_SEED = 0.5, 0  # REFERENCE.md §7: half of the known-class images labelled, RandomState(0)
-DISCOVERY = "discovery"  # your own images: labelled/<class>/ + unlabelled/ (layouts.py); --holdout applies to it
-
-
-class ShardsError(RuntimeError):
-    """The output folder cannot be used (another dataset, other settings)."""
-
-
-# ---- image processing (runs in worker processes) ---------------------------------------------------------------
-
-
-def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
-    """torchvision's `Resize(size)` output (w, h): shorter side `size`, longer side `int(size * long / short)`."""
-    if width <= height:
-        return size, int(size * height / width)
-    return int(size * width / height), size
-
-
-def load_rgb(source) -> Image.Image:  # noqa: F821
-    """A sample's image, fully decoded, as RGB. `source` is a path or an HxWx3 uint8 array."""
-    from PIL import Image
-
-    if isinstance(source, np.ndarray):
-        return Image.fromarray(source, "RGB")
-    with Image.open(source) as im:
-        im.load()
-        return im.convert("RGB")
-
-
-def resize_image(im: Image.Image, size: int) -> Image.Image:  # noqa: F821
-    from PIL import Image
-
-    target = resized_size(im.width, im.height, size)
-    return im if target == im.size else im.resize(target, Image.BICUBIC)
-
-
-def encode_image(source, size: int, quality: int = JPEG_QUALITY, image_format: str = "jpg") -> bytes:
-    """The stored bytes of one sample: RGB, shorter side `size`, JPEG (`quality`) or lossless PNG."""
-    im = resize_image(load_rgb(source), size)
-    if image_format == "png":
-        return png_bytes(np.asarray(im))
-    if image_format != "jpg":
-        raise ValueError(f"image format must be one of {IMAGE_FORMATS}, got {image_format!r}")
-    buf = io.BytesIO()
-    im.save(buf, "JPEG", quality=quality)
-    return buf.getvalue()
-
-
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def png_bytes(rgb: np.ndarray, level: int | None = None) -> bytes:
-    """A standard 8-bit RGB PNG of an H x W x 3 uint8 array (lossless), written directly: filter "Up" on every row
-    (vectorised; the row above the first counts as zeros, as the PNG spec says) and one zlib stream. About 2x faster
-    than PIL's encoder at the same level (which tries every filter on every row) for about the same size."""
-    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
-        raise ValueError(f"png_bytes needs an H x W x 3 uint8 array, got {rgb.dtype} {rgb.shape}")
-    h, w, _ = rgb.shape
-    rows = np.ascontiguousarray(rgb).reshape(h, w * 3)
-    raw = np.empty((h, w * 3 + 1), np.uint8)
-    raw[:, 0] = 2  # filter type Up
-    np.subtract(rows[1:], rows[:-1], out=raw[1:, 1:])  # uint8 arithmetic: modulo 256, as the filter is defined
-    raw[0, 1:] = rows[0]
-    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8 bit, truecolour, deflate, filtered rows, no interlace
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + _png_chunk(b"IHDR", header)
-        + _png_chunk(b"IDAT", zlib.compress(raw.tobytes(), PNG_COMPRESS_LEVEL if level is None else level))
-        + _png_chunk(b"IEND", b"")
-    )
-
-
-def _encode_job(job: tuple) -> tuple[int, bytes | None, str | None]:
-    pos, source, size, quality, image_format = job
-    try:
-        return pos, encode_image(source, size, quality, image_format), None
-    except Exception as exn:  # any unreadable/corrupt image is skipped and reported, never fatal
-        return pos, None, f"{type(exn).__name__}: {exn}"
-
-
-# ---- tar writing -----------------------------------------------------------------------------------------------
-
-
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode, info.uname, info.gname = len(data), 0, 0o644, "", ""
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _atomic_json(path: Path, obj: dict) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
-
-
-class _Plan:
-    """What to write for one split: sources in write order, with their cls/uq/lab fields."""
-
-    def __init__(self, split: str, sources: list, names: list[str], cls: np.ndarray, uq: np.ndarray, lab: np.ndarray):
-        self.split, self.sources, self.names, self.cls, self.uq, self.lab = split, sources, names, cls, uq, lab
-
-    def __len__(self) -> int:
-        return len(self.sources)
-
-
-def _encoded(plan: _Plan, start: int, stop: int, resize: int, codec: tuple[str, int], pool) -> Iterator[tuple]:
-    """(pos, bytes or None, error) for positions start..stop-1, in order; `codec` = (image format, JPEG quality)."""
-    fmt, quality = codec
-    jobs = ((p, plan.sources[p], resize, quality, fmt) for p in range(start, stop))
-    if pool is None:
-        yield from map(_encode_job, jobs)
-    else:
-        yield from pool.imap(_encode_job, jobs, chunksize=8)
-
-
-def _write_shards(
-    plan: _Plan, out: Path, prefix: str, done: list[dict], stop_at: int, size_bytes: int, resize: int,
-    codec: tuple[str, int], pool, on_shard, bar,
-) -> None:  # fmt: skip
-    """Append shards to `done` from position done[-1].end on, calling `on_shard` after each finished one."""
-    pos = done[-1]["start"] + done[-1]["count"] if done else 0
-    results = _encoded(plan, pos, stop_at, resize, codec, pool)
-    while pos < stop_at:
-        record = _write_one(
-            plan, out, f"{prefix}-{plan.split}-{len(done):05d}.tar", pos, results, size_bytes, stop_at, bar, codec[0]
-        )
-        done.append(record)
-        pos += record["count"]
-        on_shard()
-
-
-def _write_one(
-    plan: _Plan, out: Path, name: str, start: int, results: Iterator[tuple], size_bytes: int, stop_at: int, bar,
-    image_format: str,
-) -> dict:  # fmt: skip
-    """Write positions start.. into `name` until it reaches `size_bytes` (or `stop_at`); atomic."""
-    skipped, written, pos = [], 0, start
-
-    def write(f) -> None:
-        nonlocal written, pos
-        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            while pos < stop_at and f.tell() < size_bytes:
-                p, data, err = next(results)
-                assert p == pos, (p, pos)
-                if data is None:
-                    skipped.append(
-                        {"split": plan.split, "uq": int(plan.uq[p]), "labelled": bool(plan.lab[p]),
-                         "source": plan.names[p], "error": err}
-                    )  # fmt: skip
-                    print(f"make-shards: skipped {plan.names[p]} ({plan.split}): {err}", file=sys.stderr)
-                else:
-                    key = f"{int(plan.uq[p]):08d}"
-                    _add(tar, f"{key}.{image_format}", data)
-                    _add(tar, key + ".cls", b"%d" % int(plan.cls[p]))
-                    _add(tar, key + ".uq", b"%d" % int(plan.uq[p]))
-                    _add(tar, key + ".lab", b"%d" % int(plan.lab[p]))
-                    written += 1
-                pos += 1
-                if bar is not None:
-                    bar.update(1)
-
-    atomic_write(out / name, write)
-    size = (out / name).stat().st_size
-    return {
-        "name": name, "start": start, "count": pos - start, "written": written, "bytes": size,
-        "sha256": _sha256(out / name), "skipped": skipped,
-    }  # fmt: skip
-
-
-# ---- the command -----------------------------------------------------------------------------------------------
-
-
-def _train_split(raw: RawDataset, holdout: float, holdout_seed: int) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(labelled mask, targets, counts) of the train samples in native order: the GCD split (REFERENCE.md §7), or for
-    your own images every labelled image but the held-out share (`splits.discovery_split`)."""
-    if raw.dataset == DISCOVERY:
-        labelled, targets, held = discovery_split(raw.train_labels, holdout, holdout_seed)
-        return labelled, targets, discovery_counts(targets, held)
-    labelled, targets = gcd_split(raw.train_labels, raw.known, PROP, SPLIT_SEED, novel_classes=raw.novel)
-    return labelled, targets, split_counts(labelled, targets, len(raw.known), len(raw.test))
-
-
-def _plans(raw: RawDataset, holdout: float, holdout_seed: int) -> tuple[_Plan, _Plan, dict]:
-    labelled, targets, counts = _train_split(raw, holdout, holdout_seed)
-    order = raw.known + raw.novel
-    remap = {c: i for i, c in enumerate(order)}
-    stray = sorted(set(raw.test_labels.tolist()) - set(order))
-    if stray:
-        raise ShardsError(f"test classes {stray[:10]} are not train classes")
-    test_targets = np.asarray([remap[c] for c in raw.test_labels.tolist()], np.int64)
-    n = len(raw.train)
-    write_order = np.random.RandomState(ORDER_SEED).permutation(n)
-    train = _Plan(
-        "train", [raw.train[i] for i in write_order], [raw.train_names[i] for i in write_order],
-        targets[write_order], write_order, labelled[write_order],
-    )  # fmt: skip
-    nt = len(raw.test)
-    test = _Plan("test", raw.test, raw.test_names, test_targets, np.arange(nt), np.zeros(nt, bool))
-    return train, test, counts
-
-
-def _fingerprint(
-    raw: RawDataset, resize: int, codec: tuple[str, int], shard_size_mb: float, holdout: float, holdout_seed: int
-) -> dict:
-    fmt, quality = codec
-    fingerprint = {
-        "format": FORMAT, "dataset": raw.dataset, "resize": resize, "image_format": fmt,
-        "jpeg_quality": quality if fmt == "jpg" else None,
-        "png_compress_level": PNG_COMPRESS_LEVEL if fmt == "png" else None,
-        "shard_size_mb": shard_size_mb, "known": raw.known, "novel": raw.novel, "n_train": len(raw.train),
-        "n_test": len(raw.test), "prop": PROP, "split_seed": SPLIT_SEED, "order_seed": ORDER_SEED,
-    }  # fmt: skip
-    if raw.dataset == DISCOVERY:  # only there: the other datasets' folders written before keep their fingerprint
-        fingerprint.update(holdout=holdout, holdout_seed=holdout_seed)
-    return fingerprint
-
-
-def _check_out(out: Path, dataset: str, fingerprint: dict) -> dict | None:
-    """The previous manifest or state in `out` when it belongs to this run; refuse anything else."""
-    for fname in (MANIFEST, STATE):
-        path = out / fname
-        if path.exists():
-            prev = json.loads(path.read_text())
-            if prev.get("dataset") != dataset:
-                raise ShardsError(
-                    f"{out} holds shards of dataset {prev.get('dataset')!r}, not {dataset!r}: choose another --out"
-                )
-            # outputs written before --image-format existed are JPEG with no format in the fingerprint
-            prev_fp = {"image_format": "jpg", "png_compress_level": None, **prev.get("fingerprint", {})}
-            if prev_fp != fingerprint:
-                diff = sorted(k for k in fingerprint if prev_fp.get(k) != fingerprint[k])
-                raise ShardsError(
-                    f"{out} holds {dataset} shards made with other settings ({', '.join(diff)}): choose another --out "
-                    "or delete the folder"
-                )
-            return prev
-    foreign = sorted(p.name for p in out.glob("*.tar") if not p.name.startswith(dataset + "-"))
-    if foreign:
-        raise ShardsError(f"{out} holds shards of another dataset ({foreign[0]}, ...): choose another --out")
-    return None
-
-
-def _shard_ok(out: Path, rec: dict) -> bool:
-    path = out / rec["name"]
-    return path.is_file() and path.stat().st_size == rec["bytes"] and _sha256(path) == rec["sha256"]
-
-
-def _manifest(
-    raw: RawDataset, fingerprint: dict, counts: dict, done: dict, resize: int, codec: tuple[str, int]
-) -> dict:
-    order = raw.known + raw.novel
-    if codec[0] == "jpg":
-        image = f"RGB JPEG (quality {codec[1]})"
-    else:
-        image = f"RGB PNG (lossless; filter Up, zlib level {PNG_COMPRESS_LEVEL})"
-    skipped = [s for split in ("train", "test") for rec in done[split] for s in rec["skipped"]]
-    counts = dict(counts)
-    for split in ("train", "test"):
-        counts[f"written_{split}"] = sum(r["written"] for r in done[split])
-        counts[f"skipped_{split}"] = sum(len(r["skipped"]) for r in done[split])
-    problems = check_counts(raw.dataset, counts)
-    return {
-        "format": FORMAT,
-        "dataset": raw.dataset,
-        "root": str(raw.root),
-        "fingerprint": fingerprint,
-        "image": f"{image}, shorter side {resize} (bicubic, antialiased), aspect kept",
-        "image_format": codec[0],
-        "resize": resize,
-        "classes": {
-            "names": [raw.class_names[c] for c in order],  # by target (remapped id)
-            "native_ids": order,  # target -> native class id
-            "known": raw.known,
-            "novel": raw.novel,
-        },
-        "n_old": len(raw.known),
-        "n_classes": None if raw.dataset == DISCOVERY else len(order),  # discovery: the novel classes are unknown
-        "counts": counts,
-        "reference_check": problems if problems else ("ok" if check_counts_applies(raw.dataset, counts) else "n/a"),
-        "splits": {
-            split: {"n": fingerprint[f"n_{split}"], "written": counts[f"written_{split}"], "shards": done[split]}
-            for split in ("train", "test")
-        },
-        "skipped": skipped,
-        "notes": raw.notes,
-    }
-
-
-def check_counts_applies(dataset: str, counts: dict) -> bool:
-    from .splits import EXPECTED_COUNTS
-
-    exp = EXPECTED_COUNTS.get(dataset)
-    if exp is None:
-        return False
-    if "train" in exp:
-        return counts.get("train") == exp["train"]
-    return counts.get("train", 0) >= exp.get("train_min", 0)
+__all__ = [  # with the names other modules import from here
+    "DISCOVERY",
+    "IMAGE_FORMATS",
+    "JPEG_QUALITY",
+    "MANIFEST",
+    "STATE",
+    "ShardsError",
+    "add_cli_arguments",
+    "load_rgb",
+    "main",
+    "make_shards",
+    "parse_class_list",
+    "resize_image",
+    "resized_size",
+    "run_cli",
+    "written_counts",
+]
 
 
 def make_shards(
@@ -375,98 +94,92 @@ def make_shards(
 
     `image_format`: "jpg" (lossy, quality `jpeg_quality`) or "png" (lossless). `holdout` (discovery only): the share of
     each known class's labelled images held out for evaluation (`splits.holdout_mask`, seeded by `holdout_seed`)."""
+    dataset, codec = _checked(dataset, root, known_classes, image_format, holdout), (image_format, jpeg_quality)
+    out = Path(out)
+    raw = root if isinstance(root, RawDataset) else read_dataset(dataset, root, known_classes)
+    train, test, counts = plans(raw, holdout, holdout_seed)
+    fingerprint = settings_fingerprint(raw, resize, codec, shard_size_mb, holdout, holdout_seed)
+    out.mkdir(parents=True, exist_ok=True)
+    prev = check_out(out, dataset, fingerprint)
+    log = (lambda msg: print(f"make-shards: {msg}", file=sys.stderr)) if progress else (lambda msg: None)
+    _log_split(dataset, raw, counts, log)
+    done, redo = {"train": [], "test": []}, {"train": [], "test": []}
+    if prev is not None and prev.get("format") == FORMAT and "splits" in prev:  # a manifest: verify, repair
+        done, redo = verified(out, prev)
+        if not any(redo.values()):
+            log(f"{out} is complete and verified (sha256): nothing to do")
+            return prev
+        log(f"repairing {sum(map(len, redo.values()))} damaged or missing shard(s)")
+    elif prev is not None:  # a state file: resume
+        done = resumable(out, prev)
+        log(f"resuming after {len(done['train'])} train + {len(done['test'])} test shard(s)")
+    for tmp in out.glob("*.tmp"):
+        tmp.unlink()
+    state = {"dataset": dataset, "fingerprint": fingerprint, "done": done}  # `done` grows as shards are written
+    save_state = functools.partial(atomic_json, out / STATE, state)
+    split_plans = {"train": train, "test": test}
+    with _progress_bar(progress, dataset, split_plans, done, redo) as bar, encoding_pool(workers) as pool:
+        writer = ShardWriter(out, resize, codec, pool, bar)
+        if any(redo.values()):
+            for split, recs in redo.items():
+                for rec in recs:
+                    writer.rewrite(split_plans[split], rec)
+        else:
+            save_state()
+            for split in ("train", "test"):
+                writer.append(split_plans[split], dataset, done[split], int(shard_size_mb * 2**20), save_state)
+    manifest = build_manifest(raw, fingerprint, counts, done, resize, codec)
+    atomic_json(out / MANIFEST, manifest)
+    (out / STATE).unlink(missing_ok=True)
+    _log_written(out, dataset, raw, train, manifest, log)
+    return manifest
+
+
+def _checked(
+    dataset: str, root: str | Path | RawDataset, known_classes: list[int] | None, image_format: str, holdout: float
+) -> str:
+    """The canonical name of `dataset`, once make-shards' options are checked against it."""
     if image_format not in IMAGE_FORMATS:
         raise ShardsError(f"image format must be one of {', '.join(IMAGE_FORMATS)}, got {image_format!r}")
-    codec = (image_format, jpeg_quality)
     dataset = canonical_name(dataset)
     if holdout and dataset != DISCOVERY:
         raise ShardsError(f"--holdout applies to --dataset {DISCOVERY} (your own images); {dataset} has its GCD split")
     if not 0.0 <= holdout < 1.0:
         raise ShardsError(f"--holdout {holdout}: the held-out share must lie in [0, 1), e.g. --holdout 0.1")
-    out = Path(out)
     if isinstance(root, RawDataset) and known_classes is not None:
         raise ShardsError("known_classes applies to a dataset read from its folder: set the RawDataset's known classes")
-    raw = root if isinstance(root, RawDataset) else read_dataset(dataset, root, known_classes)
-    train, test, counts = _plans(raw, holdout, holdout_seed)
-    fingerprint = _fingerprint(raw, resize, codec, shard_size_mb, holdout, holdout_seed)
-    out.mkdir(parents=True, exist_ok=True)
-    prev = _check_out(out, dataset, fingerprint)
-    log = (lambda msg: print(f"make-shards: {msg}", file=sys.stderr)) if progress else (lambda msg: None)
+    return dataset
+
+
+def _log_split(dataset: str, raw: RawDataset, counts: dict, log) -> None:
+    """The split's counts and the layout's notes (`log`), and any departure from the reference counts (warnings)."""
     log(_describe_split(raw, counts))
     for note in raw.notes:
         log(note)
     for problem in check_counts(dataset, counts):
         print(f"make-shards: WARNING: {problem}", file=sys.stderr)
 
-    plans = {"train": train, "test": test}
-    done: dict[str, list[dict]] = {"train": [], "test": []}
-    redo: dict[str, list[dict]] = {"train": [], "test": []}
-    if prev is not None and prev.get("format") == FORMAT and "splits" in prev:  # a manifest: verify, repair
-        for split in plans:
-            done[split] = prev["splits"][split]["shards"]
-            redo[split] = [r for r in done[split] if not _shard_ok(out, r)]
-        if not any(redo.values()):
-            log(f"{out} is complete and verified (sha256): nothing to do")
-            return prev
-        log(f"repairing {sum(map(len, redo.values()))} damaged or missing shard(s)")
-    elif prev is not None:  # a state file: resume
-        done = {split: [r for r in prev["done"][split]] for split in plans}
-        for split in plans:  # a finished shard that went missing since is rewritten in order
-            good = []
-            for rec in done[split]:
-                if not _shard_ok(out, rec):
-                    break
-                good.append(rec)
-            done[split] = good
-        log(f"resuming after {len(done['train'])} train + {len(done['test'])} test shard(s)")
-    for tmp in out.glob("*.tmp"):
-        tmp.unlink()
 
-    def save_state() -> None:
-        _atomic_json(out / STATE, {"dataset": dataset, "fingerprint": fingerprint, "done": done})
+@contextmanager
+def _progress_bar(show: bool, dataset: str, split_plans: dict, done: dict, redo: dict) -> Iterator[object]:
+    """A progress bar over the images still to write (None when not `show`); no total while repairing."""
+    if not show:
+        yield None
+        return
+    from tqdm import tqdm
 
-    size_bytes = int(shard_size_mb * 2**20)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        todo = sum(len(plans[s]) - sum(r["count"] for r in done[s]) for s in plans) if not any(redo.values()) else None
-        bar = tqdm(total=todo, unit="img", desc=f"make-shards {dataset}", file=sys.stderr)
-    pool = None
-    if workers > 1:
-        import multiprocessing as mp
-
-        pool = mp.get_context("fork").Pool(workers)
+    remaining = (len(p) - sum(r["count"] for r in done[s]) for s, p in split_plans.items())
+    todo = None if any(redo.values()) else sum(remaining)
+    bar = tqdm(total=todo, unit="img", desc=f"make-shards {dataset}", file=sys.stderr)
     try:
-        if any(redo.values()):
-            for split, recs in redo.items():
-                for rec in recs:
-                    stop = rec["start"] + rec["count"]
-                    results = _encoded(plans[split], rec["start"], stop, resize, codec, pool)
-                    new = _write_one(
-                        plans[split], out, rec["name"], rec["start"], results, 1 << 62, stop, bar, image_format
-                    )
-                    if new["sha256"] != rec["sha256"]:
-                        print(
-                            f"make-shards: WARNING: rewritten {rec['name']} differs from the manifest", file=sys.stderr
-                        )
-                    rec.update(new)
-        else:
-            save_state()
-            for split in ("train", "test"):
-                _write_shards(
-                    plans[split], out, dataset, done[split], len(plans[split]), size_bytes, resize, codec, pool,
-                    save_state, bar,
-                )  # fmt: skip
+        yield bar
     finally:
-        if pool is not None:
-            pool.terminate()
-        if bar is not None:
-            bar.close()
-    manifest = _manifest(raw, fingerprint, counts, done, resize, codec)
-    _atomic_json(out / MANIFEST, manifest)
-    (out / STATE).unlink(missing_ok=True)
-    n_shards = sum(len(done[s]) for s in done)
+        bar.close()
+
+
+def _log_written(out: Path, dataset: str, raw: RawDataset, train: Plan, manifest: dict, log) -> None:
+    """What make-shards wrote (`log`), and warnings about the images it skipped as unreadable."""
+    n_shards = sum(len(manifest["splits"][s]["shards"]) for s in ("train", "test"))
     log(
         f"wrote {out}: {n_shards} shard(s), {manifest['counts']['written_train']:,} train + "
         f"{manifest['counts']['written_test']:,} test samples, {len(manifest['skipped'])} skipped"
@@ -474,7 +187,7 @@ def make_shards(
     if manifest["skipped"]:
         where = ""
         if dataset == DISCOVERY:
-            where = " (" + ", ".join(f"{n} {part}" for part, n in _discovery_skipped(manifest).items() if n) + ")"
+            where = " (" + ", ".join(f"{n} {part}" for part, n in discovery_skipped(manifest).items() if n) + ")"
         print(
             f"make-shards: WARNING: {len(manifest['skipped'])} unreadable image(s) skipped{where}, listed in "
             f"{out / MANIFEST} under 'skipped': re-save them in a format PIL reads (JPEG, PNG) or remove them",
@@ -482,18 +195,22 @@ def make_shards(
         )
     if dataset == DISCOVERY:
         for name in _classes_left_unlabelled(raw, train, manifest["skipped"]):
-            print(f"make-shards: WARNING: every labelled image of labelled/{name}/ is unreadable, so the class has no "
-                  "labelled image to anchor its cluster: replace its images or remove the folder, then run "
-                  "make-shards again into a new --out", file=sys.stderr)  # fmt: skip
-    return manifest
+            print(
+                f"make-shards: WARNING: every labelled image of labelled/{name}/ is unreadable, so the class has no "
+                "labelled image to anchor its cluster: replace its images or remove the folder, then run "
+                "make-shards again into a new --out",
+                file=sys.stderr,
+            )
 
 
 def _describe_split(raw: RawDataset, counts: dict) -> str:
     """The split's counts, as make-shards prints them."""
     if raw.dataset == DISCOVERY:
-        return (f"{DISCOVERY}: {len(raw.known)} known classes; train {counts['train']:,} = labelled "
-                f"{counts['labelled']:,} + held out for evaluation {counts['held_out']:,} + unlabelled "
-                f"{counts['unlabelled']:,} (no labels); no test split")  # fmt: skip
+        return (
+            f"{DISCOVERY}: {len(raw.known)} known classes; train {counts['train']:,} = labelled "
+            f"{counts['labelled']:,} + held out for evaluation {counts['held_out']:,} + unlabelled "
+            f"{counts['unlabelled']:,} (no labels); no test split"
+        )
     return (
         f"{raw.dataset}: {len(raw.class_names)} classes ({len(raw.known)} known, {len(raw.novel)} novel); train "
         f"{counts['train']:,} = labelled {counts['labelled']:,} + unlabelled {counts['unlabelled']:,} "
@@ -501,18 +218,7 @@ def _describe_split(raw: RawDataset, counts: dict) -> str:
     )
 
 
-def _discovery_skipped(manifest: dict) -> dict[str, int]:
-    """{"labelled", "held_out", "unlabelled"}: how many of each a discovery folder's skipped images were."""
-    def part(s: dict) -> str:
-        if Path(s["source"]).parts[0] == "unlabelled":
-            return "unlabelled"
-        return "labelled" if s["labelled"] else "held_out"
-
-    parts = [part(s) for s in manifest["skipped"]]
-    return {k: parts.count(k) for k in ("labelled", "held_out", "unlabelled")}
-
-
-def _classes_left_unlabelled(raw: RawDataset, train: _Plan, skipped: list[dict]) -> list[str]:
+def _classes_left_unlabelled(raw: RawDataset, train: Plan, skipped: list[dict]) -> list[str]:
     """The known classes all of whose labelled images were skipped as unreadable."""
     have = np.bincount(train.cls[train.lab], minlength=len(raw.class_names))
     lost = np.zeros_like(have)
@@ -574,16 +280,23 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run `make-shards` from parsed arguments; returns the exit code (2 on a bad input, with a message)."""
-    from .layouts import LayoutError
-
     known = parse_class_list(" ".join(args.known_classes)) if args.known_classes else None
     t0 = time.time()
     try:
         manifest = make_shards(
-            args.dataset, args.root, args.out, shard_size_mb=args.shard_size_mb, known_classes=known,
-            resize=args.resize, workers=args.workers, progress=not args.no_progress, jpeg_quality=args.jpeg_quality,
-            image_format=getattr(args, "image_format", "jpg"), holdout=args.holdout, holdout_seed=args.holdout_seed,
-        )  # fmt: skip
+            args.dataset,
+            args.root,
+            args.out,
+            shard_size_mb=args.shard_size_mb,
+            known_classes=known,
+            resize=args.resize,
+            workers=args.workers,
+            progress=not args.no_progress,
+            jpeg_quality=args.jpeg_quality,
+            image_format=getattr(args, "image_format", "jpg"),
+            holdout=args.holdout,
+            holdout_seed=args.holdout_seed,
+        )
     except (ShardsError, LayoutError) as exn:
         print(f"make-shards: error: {exn}", file=sys.stderr)
         return 2
@@ -602,20 +315,6 @@ def run_cli(args: argparse.Namespace) -> int:
         )
     )
     return 0
-
-
-def written_counts(manifest: dict) -> dict[str, int]:
-    """What the shards hold: the split's counts less the images skipped as unreadable (labelled, unlabelled, test; for
-    your own images labelled, held_out, unlabelled)."""
-    c = manifest["counts"]
-    if manifest["dataset"] == DISCOVERY:
-        return {k: c[k] - n for k, n in _discovery_skipped(manifest).items()}
-    gone = [(s["split"], bool(s["labelled"])) for s in manifest["skipped"]]
-    return {
-        "labelled": c["labelled"] - gone.count(("train", True)),
-        "unlabelled": c["unlabelled"] - gone.count(("train", False)),
-        "test": c["test"] - sum(split == "test" for split, _ in gone),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

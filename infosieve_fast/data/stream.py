@@ -55,42 +55,19 @@ from ..config import DataConfig, IntakeConfig
 from ..metrics import NO_LABEL
 from .base import Batch
 from .cache import DecodedCache, cache_device
-from .decode import DecodeCounts, cap_aspect, capped_hw, decode_cpu, decode_gpu, pad_into
+from .decode import DecodeCounts, cap_aspect, decode_cpu, decode_gpu, pad_into, resize_uint8, served_sizes
 from .intake import is_manifest_folder, make_shards_index_cached, open_foreign
+from .layout_discovery import DISCOVERY
 from .sampler import sample_epoch
-from .shards import DISCOVERY, resized_size
+from .shard_manifest import shard_file_problems
 from .tar import ShardIndex, open_mmap
 
 CACHE_MODES = ("auto", "gpu", "cpu", "off")
 DECODE_MODES = ("auto", "cpu", "gpu")
 SAMPLING_MODES = ("weighted", "shuffle")
+_CHOICES = {"split": ("train", "test"), "sampling": SAMPLING_MODES, "cache": CACHE_MODES, "decode": DECODE_MODES}
 FOREIGN = "webdataset"  # the dataset name of foreign shards
 FOREIGN_SIZE = 256  # the shorter side foreign shards' images are served at unless data.resize says otherwise
-
-
-def load_hw(h: int, w: int, size: int) -> tuple[int, int]:
-    """The (h, w) a stored h x w image is served at: as stored when its shorter side is `size` (make-shards wrote it
-    so), else resized as make-shards resizes (torchvision's `Resize(size)`)."""
-    if min(h, w) == size:
-        return h, w
-    new_w, new_h = resized_size(w, h, size)
-    return new_h, new_w
-
-
-def _per_size(hw: np.ndarray, size_of) -> np.ndarray:
-    """`size_of(h, w)` of every row of `hw` [N, 2], computed once per distinct size (a reopened index of a million
-    samples holds far fewer sizes)."""
-    sizes, inverse = np.unique(hw.reshape(-1, 2), axis=0, return_inverse=True)
-    mapped = np.asarray([size_of(int(h), int(w)) for h, w in sizes], np.int64).reshape(-1, 2)
-    return mapped[inverse.reshape(-1)]
-
-
-def resize_uint8(img: Tensor, hw: tuple[int, int]) -> Tensor:
-    """uint8 [C, H, W] -> [C, *hw] (bicubic, antialiased), on the image's device; the image itself at that size."""
-    if tuple(img.shape[-2:]) == tuple(hw):
-        return img
-    out = torch.nn.functional.interpolate(img[None].float(), size=tuple(hw), mode="bicubic", antialias=True)
-    return out[0].round_().clamp_(0, 255).to(torch.uint8)
 
 
 def _is_webp(data) -> bool:
@@ -219,6 +196,15 @@ class _Reader(Dataset):
         return canvas, (None if (hw == hw[0]).all() else sizes), *meta, failed_t
 
 
+def _check_options(max_aspect: float | None, **modes: str) -> None:
+    """Refuse a `ShardSource` option outside its choices (`modes`: name -> value, in the order they are checked)."""
+    for name, value in modes.items():
+        if value not in _CHOICES[name]:
+            raise ValueError(f"{name} must be one of {_CHOICES[name]}, got {value!r}")
+    if max_aspect is not None and max_aspect < 1:
+        raise ValueError(f"max_aspect must be >= 1 (or None: no cap), got {max_aspect}")
+
+
 class ShardSource:
     """`GCDSource` over a shards folder (train split), plus `test_batches` for the test split.
 
@@ -246,12 +232,7 @@ class ShardSource:
         resize: int | None = None,
         intake: IntakeConfig | None = None,
     ):
-        for name, value, choices in (("split", split, ("train", "test")), ("sampling", sampling, SAMPLING_MODES),
-                                     ("cache", cache, CACHE_MODES), ("decode", decode, DECODE_MODES)):  # fmt: skip
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        if max_aspect is not None and max_aspect < 1:
-            raise ValueError(f"max_aspect must be >= 1 (or None: no cap), got {max_aspect}")
+        _check_options(max_aspect, split=split, sampling=sampling, cache=cache, decode=decode)
         if rank is None or world_size is None:
             rank, world_size = dist.get_rank(), dist.get_world_size()
         if not 0 <= rank < world_size:
@@ -274,14 +255,7 @@ class ShardSource:
         self.size = resize or self.size  # the shorter side images are served at (resized on load when it differs)
         for msg in self.problems:
             _report(msg)
-        self.uq = self.index.uq - np.searchsorted(skipped, self.index.uq)  # compacted, per index row
-        self.row_of_uq = np.full(self.n_train, -1, np.int64)
-        self.row_of_uq[self.uq] = np.arange(len(self.uq))
-        self.labelled = np.zeros(self.n_train, bool)
-        self.labelled[self.uq] = self.index.lab
-        self.n_labelled = int(self.labelled.sum())
-        self.load_hw = _per_size(self.index.hw, lambda h, w: load_hw(h, w, self.size))  # after the resize on load
-        self.served_hw = _per_size(self.load_hw, lambda h, w: capped_hw(h, w, max_aspect))  # per index row
+        self._map_rows(skipped)
         self._unreadable = set(np.flatnonzero(self.row_of_uq < 0).tolist())  # not in any readable shard
         if self._unreadable:
             _report(f"{self.dir} ({split}): {len(self._unreadable)} of {self.n_train} samples are in no readable shard")
@@ -291,6 +265,17 @@ class ShardSource:
         self.in_memory = self.cache_device is not None
         self._cache: DecodedCache | None = None
         self._test: ShardSource | None = None
+
+    def _map_rows(self, skipped: np.ndarray) -> None:
+        """Per index row its compacted uq (`skipped`: the uq make-shards skipped) and served size; per uq its row (-1:
+        in no readable shard) and labelled flag."""
+        self.uq = self.index.uq - np.searchsorted(skipped, self.index.uq)  # compacted, per index row
+        self.row_of_uq = np.full(self.n_train, -1, np.int64)
+        self.row_of_uq[self.uq] = np.arange(len(self.uq))
+        self.labelled = np.zeros(self.n_train, bool)
+        self.labelled[self.uq] = self.index.lab
+        self.n_labelled = int(self.labelled.sum())
+        self.load_hw, self.served_hw = served_sizes(self.index.hw, self.size, self.max_aspect)  # per index row
 
     def _open_manifest(self, folder: Path, split: str) -> np.ndarray:
         """Open a make-shards folder's `split`; returns the uq of the images make-shards skipped (sorted)."""
@@ -306,7 +291,7 @@ class ShardSource:
         self.urls = [str(folder / r["name"]) for r in self.records]
         skipped = np.sort(np.asarray([s["uq"] for s in m["skipped"] if s["split"] == split], np.int64))
         self.n_train = int(info["n"]) - len(skipped)
-        problems = self._check_files()
+        problems = shard_file_problems(self.records, self.urls, self.verify)
         self.index, more, self.reused_index = make_shards_index_cached(self.urls, self.intake.index_cache)
         self.problems = problems + more
         return skipped
@@ -333,26 +318,6 @@ class ShardSource:
         self.n_train = len(self.index)
         self.problems = opened.problems
         return np.zeros(0, np.int64)
-
-    # ---- checks and choices -------------------------------------------------------------------------------------
-
-    def _check_files(self) -> list[str]:
-        problems = []
-        for rec, url in zip(self.records, self.urls, strict=True):
-            p = Path(url)
-            if not p.is_file():
-                problems.append(f"shard {p} is missing: its {rec['written']} samples are skipped")
-            elif p.stat().st_size != rec["bytes"]:
-                problems.append(
-                    f"shard {p} has {p.stat().st_size:,} bytes, the manifest says {rec['bytes']:,}: truncated or "
-                    "damaged; its unreadable samples are skipped (re-run make-shards on this folder to repair it)"
-                )
-            elif self.verify:
-                from .shards import _sha256
-
-                if _sha256(p) != rec["sha256"]:
-                    problems.append(f"shard {p} does not match its sha256 in the manifest: damaged")
-        return problems
 
     # ---- reading ------------------------------------------------------------------------------------------------
 

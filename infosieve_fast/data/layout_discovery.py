@@ -1,0 +1,87 @@
+"""Your own images (`--dataset discovery`): `labelled/<class>/...` (the known classes) + `unlabelled/...` (a pool with
+no labels, the images to sort)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..metrics import NO_LABEL
+from .layout_common import IMG_EXTENSIONS, LayoutError, RawDataset, class_dirs, need, relative_paths
+
+DISCOVERY = "discovery"  # the dataset name; make-shards' --holdout applies to it alone
+DISCOVERY_LAYOUT = (
+    "labelled/<class>/<image> (the known classes, one folder each) and unlabelled/<image> (the pool to sort, any "
+    "sub-folders)"
+)
+
+
+def _walk_images(directory: Path) -> tuple[list[str], list[str]]:
+    """(image files, other files) under `directory`, in sorted os.walk order (links followed)."""
+    images, others = [], []
+    for dirpath, _, fnames in sorted(os.walk(directory, followlinks=True)):
+        for fname in sorted(fnames):
+            (images if fname.lower().endswith(IMG_EXTENSIONS) else others).append(os.path.join(dirpath, fname))
+    return images, others
+
+
+def _few(paths: list[str], root: Path, n: int = 3) -> str:
+    shown = ", ".join(os.path.relpath(p, root) for p in paths[:n])
+    return shown + (", ..." if len(paths) > n else "")
+
+
+def _labelled_images(labelled: Path, root: Path) -> tuple[list[str], list[str], list[int], list[str]]:
+    """(class names, image paths, their class ids, other files) of `labelled/<class>/...`; class id = position in
+    the sorted folder names (ImageFolder's order)."""
+    classes = class_dirs(labelled)
+    loose = [e.path for e in os.scandir(labelled) if e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS)]
+    if loose:
+        raise LayoutError(
+            f"{len(loose)} image(s) lie directly in {labelled} ({_few(sorted(loose), root)}), outside a "
+            "class folder: move each into labelled/<its class>/"
+        )
+    if not classes:
+        raise LayoutError(f"{labelled} has no class folders: the layout is {DISCOVERY_LAYOUT}")
+    paths, labels, others, empty = [], [], [], []
+    for idx, name in enumerate(classes):
+        images, rest = _walk_images(labelled / name)
+        if not images:
+            empty.append(name)
+        paths += images
+        labels += [idx] * len(images)
+        others += rest
+    if empty:
+        raise LayoutError(
+            f"{len(empty)} of the {len(classes)} class folders under {labelled} hold no images "
+            f"({', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}): add images of those classes "
+            f"or remove the folders (images end in {', '.join(IMG_EXTENSIONS)})"
+        )
+    return classes, paths, labels, others
+
+
+def read_discovery(root: Path) -> RawDataset:
+    """Your own images: every class folder of labelled/ is a known class (ids in sorted folder order), every image of
+    unlabelled/ a pool image with no label (target NO_LABEL). Files that are not images (by extension) are left out
+    and counted in a note."""
+    labelled = need(root / "labelled", f"the labelled images; the layout is {DISCOVERY_LAYOUT}")
+    unlabelled = need(root / "unlabelled", f"the unlabelled pool; the layout is {DISCOVERY_LAYOUT}")
+    classes, paths, labels, others = _labelled_images(labelled, root)
+    pool, rest = _walk_images(unlabelled)
+    if not pool:
+        raise LayoutError(
+            f"{unlabelled} holds no images (files ending in {', '.join(IMG_EXTENSIONS)}): put the "
+            "images to sort there (to train on labelled images alone, use --dataset imagefolder)"
+        )
+    others += rest
+    notes = [
+        f"discovery: {len(classes)} known classes ({len(paths):,} labelled images), {len(pool):,} unlabelled "
+        "images; the number of novel classes is unknown (train with kmeans.n_clusters: auto or a number)"
+    ]
+    if others:
+        notes.append(f"{len(others)} file(s) are not images by their extension and are left out: {_few(others, root)}")
+    train = paths + pool
+    train_labels = np.asarray(labels + [NO_LABEL] * len(pool), np.int64)
+    names, known = relative_paths(train, root), list(range(len(classes)))
+    return RawDataset(DISCOVERY, root, classes, known, [], train, train_labels, names, notes=notes)
