@@ -19,6 +19,7 @@ import gzip
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -223,6 +224,9 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
     return command
 
 
+COMMAND_TIMEOUT_S = 300
+
+
 def run_shell(command: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
@@ -231,7 +235,15 @@ def run_shell(command: str) -> subprocess.CompletedProcess:
         "PYTHONPATH": str(ROOT),
     }
     command = re.sub(r"^python3? ", f"{sys.executable} ", command)
-    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    with subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=COMMAND_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # this command's test fails, with what it printed; the others still run
+            os.killpg(proc.pid, signal.SIGKILL)  # the shell and every process it started
+            out, err = proc.communicate()
+            err += f"\ntimed out after {COMMAND_TIMEOUT_S} s"
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def _documented(how: str) -> list[tuple[str, str]]:
