@@ -48,7 +48,7 @@ def test_eval_every_logs_train_and_test_accuracy(shard_run):
 def test_eval_on_the_test_split_is_the_nearest_final_centre(shard_run, capsys):
     base, cfg, _ = shard_run
     assert cli.main(["eval", "--run", str(base / "run"), "--split", "test"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("checkpoint (test)"))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("last (test)"))
     printed = [float(v) for v in line.split()[-3:]]
     model, state = model_from_run(base / "run", torch.device("cpu"))
     test = ShardSource(base / "shards", split="test", num_workers=0)
