@@ -16,8 +16,8 @@ from infosieve_fast.checkpoint import load_checkpoint, read_log
 from infosieve_fast.config import ConfigError, load_config
 from infosieve_fast.metrics import evaluate_split
 
-SMALL = ["schedule.epochs=2", "train.train_subset=200", "data.batch_size=32", "kmeans.n_init=1",
-         "model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64",
+SMALL = ["schedule.epochs=2", "train.train_subset=96", "data.batch_size=32", "train.max_steps_per_epoch=2",
+         "kmeans.n_init=1", "model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64",
          "train.device=cpu"]  # fmt: skip
 GRID = "loss.label_smoothing=0.1,0.5"
 SEEDS = "1-2"
