@@ -5,7 +5,8 @@ dropped) and inline code spans that call `python`, `infosieve`, `torchrun` or `b
 one entry of `PLAN`:
 - run: the command as written, placeholders bound to what this test makes (a one-epoch demo run, a folder of real
   images, temporary output paths), the benchmarks at their own smoke sizes (INFOSIEVE_BENCH_SMOKE=1,
-  benchmarks/smoke.py), `infosieve train` with one epoch, `infosieve sweep` with one epoch of 320 samples a run;
+  benchmarks/smoke.py), `infosieve train` with one epoch, `infosieve sweep` with one epoch of 96 samples and 2 steps
+  a run;
 - parse: commands that need what CI cannot have (a dataset download, pretrained DINO weights, several GPUs): their
   arguments are parsed by the real command-line parser, so a renamed flag still fails;
 - gpu: a CUDA command of benchmarks/gpu_check.sh, whose CPU rehearsal runs here;
@@ -220,7 +221,8 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
     if command.startswith("infosieve train --config"):
         command += f" {shlex.join(ONE_EPOCH)}" + ("" if "--out" in command else f" --out {out}/run")
     if command.startswith("infosieve sweep"):
-        command += f" {shlex.join([*ONE_EPOCH, '--set', 'train.train_subset=320'])}"
+        small = ("train.train_subset=96", "data.batch_size=32", "train.max_steps_per_epoch=2")
+        command += f" {shlex.join([*ONE_EPOCH, *(a for s in small for a in ('--set', s))])}"
     return command
 
 
