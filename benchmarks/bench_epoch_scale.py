@@ -8,7 +8,7 @@
 What runs, with configs/imagenet1k.yaml (ViT-B/16 from random weights: the speed is the same), streamed from shards
 (`data.cache=off`, as ImageNet-1k's ~335 GB of decoded images never fit a cache) with `data.decode` (default auto:
 nvJPEG on CUDA):
-1. shards: `--n` synthetic "natural" images (`pooled_shards`: crops of a pool of bench_scale's 1/f-texture, ellipse
+1. shards: `--n` synthetic "natural" images (`pooled_shards`: crops of a pool of synthetic_shards' 1/f-texture, ellipse
    and noise images; ~55 KB JPEG quality 95 at shorter side 256, long side 256-384, half portrait) of `--classes`
    classes, written by make-shards on every core and reused from `--shards-dir`;
 2. loader alone: `--loader-batches` training batches read, decoded and delivered on the device; images/s; the same

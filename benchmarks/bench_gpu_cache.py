@@ -4,7 +4,7 @@
     python -m benchmarks.bench_gpu_cache --device cpu --n 200 --size 64       # CPU smoke run: the cache in RAM
 
 1. shards: `--n` (34,000, about Herbarium19's 34,225 train images) synthetic JPEGs of `--classes` (683) classes at
-   shorter side `--size` (256), long side 1-1.5 x, half of them portrait (`pooled_shards`: bench_scale's natural
+   shorter side `--size` (256), long side 1-1.5 x, half of them portrait (`pooled_shards`: synthetic_shards' natural
    images drawn from a pool, ~55 KB each), written by make-shards in parallel processes and reused from
    `--shards-dir` when present;
 2. the train split opened as the trainer opens it (`data.build_source` with `data.cache=gpu`; on the CPU

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -215,7 +216,9 @@ def main_scale(args):
     for prec in args.distance_precision.split(","):
         kw = {"balance": "reference", "distance_precision": prec, "backend": args.backend}
         _warm_up(device, **kw)
+        load_before = os.getloadavg()[0]  # a shared machine's other work slows a CPU round
         record, labels = run_round(u, l, t, k, n_init=args.n_init, max_iter=args.max_iter, **kw)
+        record["loadavg_1min_before_after"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         if first is None:
             first = labels
         else:

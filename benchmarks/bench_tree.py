@@ -25,20 +25,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from benchmarks import smoke
-from benchmarks.cub_subset import write_cub_subset
+from benchmarks.cub_subset import REALDATA, write_cub_subset
 from benchmarks.provenance import ROOT, device_name, emit_json, git_state
 from infosieve_fast import checkpoint as ckpt
 from infosieve_fast.config import LossConfig, ModelConfig, config_drift, load_config
 
 CONFIG = ROOT / "configs" / "cub100-tree.yaml"
-REALDATA = Path(os.environ.get("INFOSIEVE_REALDATA", ROOT.parent / "shared" / "realdata"))
 CODE_TERMS = ("loss_code", "loss_code_infonce", "loss_code_supcon_gt", "loss_code_supcon_pseudo", "loss_code_cond")
 SUMMARY_KEYS = (
     "backbone_all",

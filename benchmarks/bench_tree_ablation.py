@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import smoke
-from benchmarks.bench_tree import CONFIG, REALDATA, reference_overrides
-from benchmarks.cub_subset import write_cub_subset
+from benchmarks.bench_tree import CONFIG, reference_overrides
+from benchmarks.cub_subset import REALDATA, write_cub_subset
 from benchmarks.provenance import ROOT, device_name, emit_json, git_state
 from infosieve_fast.config import load_config
 from infosieve_fast.data.memory import InMemoryGCD

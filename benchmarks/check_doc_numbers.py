@@ -107,8 +107,10 @@ FRACTION_TOKENS = {"mfu", "util"}
 SKIPPED_KEYS = {"settings", "targets"}
 # (result file, key token) -> the unit its producer really stores
 UNIT_OVERRIDES = {
-    # bench_scale.py divides /proc's kB (KiB) by 1024 and names the result *_mb: these are MiB
-    ("scale_cpu.json", "mb"): "MiB",
+    # process_memory.py divides /proc's kB (KiB) by 1024 and synthetic_shards.py bytes by 2**20, and both name the
+    # result *_mb: these are MiB, in bench_stream's and bench_decode's result files
+    ("stream_cpu.json", "mb"): "MiB",
+    ("decode_cpu.json", "mb"): "MiB",
 }
 
 _UNIT_ALTERNATION = "|".join(re.escape(u) for u in sorted(UNITS, key=len, reverse=True))

@@ -3,7 +3,13 @@ train or stream from, at a chosen size."""
 
 from __future__ import annotations
 
+import argparse
+import os
 from pathlib import Path
+
+from benchmarks.provenance import ROOT
+
+REALDATA = Path(os.environ.get("INFOSIEVE_REALDATA", ROOT.parent / "shared" / "realdata"))
 
 
 def write_cub_subset(src: Path, classes: int, dst: Path, first: int = 0) -> Path:
@@ -24,3 +30,18 @@ def write_cub_subset(src: Path, classes: int, dst: Path, first: int = 0) -> Path
     if not (dst / "images").exists():
         (dst / "images").symlink_to(src / "images")
     return dst
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--classes", type=int, default=20, help="how many species (the first half known)")
+    parser.add_argument("--first-class", type=int, default=0, help="the cub100 id of the first species")
+    parser.add_argument("--out", type=Path, required=True, help="the folder to write (images are linked, not copied)")
+    args = parser.parse_args(argv)
+    dst = write_cub_subset(REALDATA / "cub100", args.classes, args.out, first=args.first_class)
+    print(dst)
+    return dst
+
+
+if __name__ == "__main__":
+    main()

@@ -1,18 +1,24 @@
 """What the benchmark scripts share to time work on a device: `sync` waits for the device's queued work, `timed`
 measures a block's wall seconds with that work included. Provenance and JSON output are in `benchmarks/provenance.py`
-(`stamp`, `emit_json`, `device_name`); sizes for CI in `benchmarks/smoke.py`.
+(`stamp`, `emit_json`, `device_name`); sizes for CI in `benchmarks/smoke.py`. A CPU benchmark's JSON opens with
+`cpu_report` (provenance, the command, the machine and its load) and is closed by `finish_cpu_report`.
 
 Every benchmark runs from the repository root as a module: `python -m benchmarks.<name> ...`.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from benchmarks.provenance import device_name, emit_json, stamp
 
 
 def sync(device: torch.device) -> None:
@@ -46,3 +52,31 @@ def timed(device: torch.device) -> Iterator[Timing]:
 def throughput(images: int, seconds: float) -> dict:
     """The JSON record of `images` processed in `seconds`."""
     return {"images": images, "seconds": round(seconds, 3), "images_per_s": round(images / seconds, 1)}
+
+
+def cpu_report(script: str, argv: list[str] | None) -> dict:
+    """The opening of a CPU benchmark's JSON: provenance, the device, the command as run (`argv`, or this process's
+    arguments when None), torch's version and the machine with its load average at the start."""
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        **stamp(),
+        "device": device_name(torch.device("cpu")),
+        "command": " ".join(["python", "-m", f"benchmarks.{script}", *args]),
+        "torch": torch.__version__,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": round(os.getloadavg()[0], 2),
+            "platform": platform.platform(),
+        },
+    }
+
+
+def finish_cpu_report(report: dict, summary: dict, started: float, out: str | None) -> dict:
+    """`report` (from `cpu_report`) completed: the load average at the end, the total seconds since `started`
+    (`time.perf_counter()`), and `summary` right after commit, dirty and device; printed, and written to `out`."""
+    report["summary"] = summary
+    report["machine"]["loadavg_at_end"] = round(os.getloadavg()[0], 2)
+    report["total_seconds"] = round(time.perf_counter() - started, 1)
+    report = {k: report[k] for k in ("commit", "dirty", "device", "summary")} | report
+    emit_json(report, out)
+    return report

@@ -1,11 +1,11 @@
-"""Synthetic JPEG shards fast enough to write inside a GPU check: bench_scale's "natural" images, drawn from a pool.
+"""Synthetic JPEG shards fast enough to write inside a GPU check: synthetic_shards' "natural" images, from a pool.
 
-bench_scale's `natural_image` (1/f texture, ellipses, noise; ~50 KB as a quality-95 JPEG at 256) costs ~25 ms of CPU
-per image, so 34k images take about a minute even on 16 cores. Here each image is a crop of one of `POOL` such
+synthetic_shards' `natural_image` (1/f texture, ellipses, noise; ~50 KB as a quality-95 JPEG at 256) costs ~25 ms of
+CPU per image, so 34k images take about a minute even on 16 cores. Here each image is a crop of one of `POOL` such
 textures (made once per writing process), at its own aspect (long side 1-1.5 x the shorter, half of them portrait),
 flipped at random and tinted per channel: every image's bytes differ, the JPEG statistics are the pool's, and an
-image costs a few ms. The shards are written by make-shards itself (`bench_scale.write_synthetic_shards`: its split,
-tar format, manifest, reuse and verification), in parallel processes.
+image costs a few ms. The shards are written by make-shards itself (`synthetic_shards.write_synthetic_shards`: its
+split, tar format, manifest, reuse and verification), in parallel processes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_scale import SyntheticImage, natural_image, write_synthetic_shards
+from benchmarks.synthetic_shards import SyntheticImage, natural_image, write_synthetic_shards
 
 KIND = "pooled-v1"  # names the generator in the shards' manifest: change it when the images change
 POOL = 64
@@ -53,7 +53,7 @@ class PooledImage(SyntheticImage):
 
 def write_pooled_shards(out: Path, *, n: int, n_classes: int, size: int, workers: int, seed: int = 0) -> dict:
     """Write (or verify and reuse) `n` pooled images of `n_classes` classes as make-shards output in `out`; returns
-    bench_scale's description of the shards."""
+    synthetic_shards' description of the shards."""
     return write_synthetic_shards(
         out,
         kind=KIND,

@@ -126,10 +126,15 @@ def holdout_accuracy(trainer: Trainer, fs: FeatureSet, k: int, holdout: Tensor) 
     targets = trainer.gather_table(fs, torch.where(held, fs.targets, -1))  # the held-out images' labels, no other
     held = trainer.gather_table(fs, held.long(), fill=0).bool()  # complete tables by uq, as `labels_table` gives
     mean, _ = labelled_accuracy(
-        fs.feats, targets.cpu().numpy(), held.cpu().numpy(), k, n_seeds=KMEANS_RUNS,
-        max_iter=trainer.cfg.kmeans.max_iter, seed=trainer.cfg.train.seed,
+        fs.feats,
+        targets.cpu().numpy(),
+        held.cpu().numpy(),
+        k,
+        n_seeds=KMEANS_RUNS,
+        max_iter=trainer.cfg.kmeans.max_iter,
+        seed=trainer.cfg.train.seed,
         labels_table=lambda labels: trainer.gather_table(fs, labels.to(fs.feats.device)),
-    )  # fmt: skip
+    )
     return mean
 
 
@@ -139,9 +144,17 @@ def kmeans_objective(trainer: Trainer, fs: FeatureSet, k: int) -> float:
 
     km = trainer.cfg.kmeans
     result = semi_supervised_kmeans(
-        fs.feats, None, None, k, n_init=km.n_init, max_iter=km.max_iter, tol=km.tol, seed=trainer.cfg.train.seed,
-        backend=km.backend, distance_precision=km.distance_precision,
-    )  # fmt: skip
+        fs.feats,
+        None,
+        None,
+        k,
+        n_init=km.n_init,
+        max_iter=km.max_iter,
+        tol=km.tol,
+        seed=trainer.cfg.train.seed,
+        backend=km.backend,
+        distance_precision=km.distance_precision,
+    )
     return float(result.inertia)
 
 
@@ -184,8 +197,12 @@ class BestCheckpoint:
         record.update({f"criterion_{self.criterion}": value, "seconds_criterion": time.perf_counter() - start})
         higher = HIGHER_IS_BETTER[self.criterion]
         if self.best is None or (value > self.best["value"] if higher else value < self.best["value"]):
-            self.best = {"criterion": self.criterion, "epoch": record["epoch"] + 1, "value": value,
-                         "higher_is_better": higher}  # fmt: skip
+            self.best = {
+                "criterion": self.criterion,
+                "epoch": record["epoch"] + 1,
+                "value": value,
+                "higher_is_better": higher,
+            }
 
     def stamp(self, state: dict) -> dict:
         """A checkpoint's `state` with the best record so far (when the run keeps one)."""
@@ -222,7 +239,7 @@ CHECKPOINTS = ("last", "best")
 
 
 def describe(state: dict, which: str) -> str:
-    """"last, epoch E" or "best (criterion, epoch E)": what `eval`, `report` and `compare` say they read."""
+    """What `eval`, `report` and `compare` say they read: "last, epoch E" or "best (criterion, epoch E)"."""
     if which == "last":
         return f"last, epoch {state['epoch']}"
     return f"best ({state['best']['criterion']}, epoch {state['best']['epoch']})"

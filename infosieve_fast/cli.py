@@ -67,12 +67,12 @@ def _interruptible(run, run_dir: Path) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .run_folder import print_table, read_run
+    from .run_folder import assignment_centers, print_table, read_run
 
     trainer, read = read_run(args.run, args.checkpoint)
     print(f"checkpoint: {read}")
     if args.split == "test":
-        metrics = trainer.evaluate_test(test_centers(trainer, args))
+        metrics = trainer.evaluate_test(assignment_centers(trainer, args.run, args.checkpoint))
     else:
         metrics = trainer.evaluate()
     print_table({f"{args.checkpoint} ({args.split})": metrics}, trainer.cfg.train.eval_protocol)
@@ -83,25 +83,16 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def test_centers(trainer, args: argparse.Namespace):
-    """The train clustering's centres the test split is scored against: the last checkpoint holds the final
-    evaluation's; the best one holds its epoch's pseudo-label round (features of the weights before that epoch), so
-    its evaluation's SS-k-means runs again."""
-    if args.checkpoint == "best":
-        return trainer.evaluate_full().clustering.centers
-    if trainer.centers is None:
-        raise ValueError(f"{args.run}'s checkpoint holds no k-means centres (it predates them): train it again")
-    return trainer.centers
-
-
 def _tree(args: argparse.Namespace) -> int:
     from .checkpoint import write_json
     from .code_metrics import format_code_measures
     from .run_folder import code_tree
     from .tree import format_tree
 
-    tree = code_tree(args.run, args.depth)
-    out = Path(args.json) if args.json else Path(args.run) / "tree.json"
+    tree = code_tree(args.run, args.depth, args.checkpoint)
+    print(f"checkpoint: {tree['checkpoint']}")
+    default = "tree.json" if args.checkpoint == "last" else "tree-best.json"  # the last's tree stays where it was
+    out = Path(args.json) if args.json else Path(args.run) / default
     write_json(out, tree)
     print(format_tree(tree))
     print(format_code_measures(tree["measures"]))
@@ -112,9 +103,14 @@ def _tree(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from .predict import predict
 
-    summary = predict(args.run, args.images, args.out, batch_size=args.batch_size, device=args.device)
-    print(f"wrote {summary['written']} predictions to {summary['out']} ({summary['skipped']} unreadable images "
-          f"skipped; {summary['clusters_used']} clusters used)")  # fmt: skip
+    summary = predict(
+        args.run, args.images, args.out, batch_size=args.batch_size, device=args.device, checkpoint=args.checkpoint
+    )
+    print(f"checkpoint: {summary['checkpoint']}")
+    print(
+        f"wrote {summary['written']} predictions to {summary['out']} ({summary['skipped']} unreadable images "
+        f"skipped; {summary['clusters_used']} clusters used)"
+    )
     return 0
 
 
@@ -144,8 +140,15 @@ def _estimate_k(args: argparse.Namespace) -> int:
         fs = trainer.extract_features("test")
         feats, targets, labelled = fs.feats.cpu().numpy(), fs.targets.cpu().numpy(), fs.labelled.cpu().numpy()
         n_old = trainer.source.n_old
-    result = estimate_k(feats, targets, labelled, n_old, k_max=args.k_max, n_seeds=args.seeds,
-                        progress=lambda msg: print(msg, file=sys.stderr))  # fmt: skip
+    result = estimate_k(
+        feats,
+        targets,
+        labelled,
+        n_old,
+        k_max=args.k_max,
+        n_seeds=args.seeds,
+        progress=lambda msg: print(msg, file=sys.stderr),
+    )
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
@@ -170,9 +173,13 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", choices=("last", "best"), default="last",
-                        help="last: RUN/checkpoint.pt (default); best: RUN/checkpoint-best.pt, the best epoch by the "
-                        "run's checkpoint.best criterion")  # fmt: skip
+    parser.add_argument(
+        "--checkpoint",
+        choices=("last", "best"),
+        default="last",
+        help="last: RUN/checkpoint.pt (default); best: RUN/checkpoint-best.pt, the best epoch by the "
+        "run's checkpoint.best criterion",
+    )
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
@@ -206,7 +213,11 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
 def _tree_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, metavar="RUN_DIR")
     p.add_argument("--depth", type=int, default=6, help="deepest code prefix shown (default 6)")
-    p.add_argument("--json", help="where to write the tree (default RUN_DIR/tree.json)")
+    p.add_argument(
+        "--json",
+        help="where to write the tree (default RUN_DIR/tree.json; RUN_DIR/tree-best.json for --checkpoint best)",
+    )
+    add_checkpoint_argument(p)
 
 
 def _predict_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,6 +226,7 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="FILE.jsonl or FILE.csv")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    add_checkpoint_argument(p)
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:

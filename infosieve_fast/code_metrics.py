@@ -132,9 +132,12 @@ def evaluate_codes(trainer, fs=None) -> dict:
 
 def format_code_measures(m: dict) -> str:
     """A few lines for the console: SS-k-means on the codes, then prefixes / purity / NMI per depth."""
-    lines = [f"codes: SS-k-means All {m['all']:.4f}  Old {m['old']:.4f}  New {m['new']:.4f}  "
-             f"mean length {m['mean_length']:.1f}"]  # fmt: skip
+    lines = [
+        f"codes: SS-k-means All {m['all']:.4f}  Old {m['old']:.4f}  New {m['new']:.4f}  "
+        f"mean length {m['mean_length']:.1f}"
+    ]
     for d in sorted(int(k.split("_")[1]) for k in m if k.startswith("prefixes_")):
-        lines.append(f"  depth {d:>2}: {m[f'prefixes_{d}']:>6} prefixes  purity {m[f'purity_{d}']:.4f}  "
-                     f"NMI {m[f'nmi_{d}']:.4f}")  # fmt: skip
+        lines.append(
+            f"  depth {d:>2}: {m[f'prefixes_{d}']:>6} prefixes  purity {m[f'purity_{d}']:.4f}  NMI {m[f'nmi_{d}']:.4f}"
+        )
     return "\n".join(lines)

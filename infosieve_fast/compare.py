@@ -83,8 +83,10 @@ def sweep_entries(sweep_dir: Path) -> list[Entry]:
     entries: dict[str, Entry] = {}
     for run in plan["runs"]:
         label = f"{sweep_dir.name}: {point_label(run['point'])}"
-        entry = entries.setdefault(label, Entry(label, f"{sweep_dir} ({point_label(run['point'])})", [],
-                                                setting=run_setting(run_config(plan, run))))  # fmt: skip
+        entry = entries.setdefault(
+            label,
+            Entry(label, f"{sweep_dir} ({point_label(run['point'])})", [], setting=run_setting(run_config(plan, run))),
+        )
         if is_done(sweep_dir, run):
             entry.runs.append(read_run(run_dir(sweep_dir, run)))
         else:
@@ -113,8 +115,11 @@ def describe_data(cfg: Config) -> dict:
     else:
         manifest_path = Path(d.shards) / "manifest.json" if isinstance(d.shards, str) else None
         if manifest_path is None or not manifest_path.is_file():
-            return {"dataset": "unknown", "full": False,
-                    "text": f"the shards {d.shards} (no manifest.json there: the dataset is unknown)"}  # fmt: skip
+            return {
+                "dataset": "unknown",
+                "full": False,
+                "text": f"the shards {d.shards} (no manifest.json there: the dataset is unknown)",
+            }
         m = json.loads(manifest_path.read_text())
         dataset, full = m["dataset"], m.get("reference_check") == "ok"
         classes = "unknown" if m.get("n_classes") is None else m["n_classes"]
@@ -130,11 +135,20 @@ def run_setting(cfg: Config) -> dict:
     data = describe_data(cfg)
     weights = Path(cfg.model.pretrained).name if cfg.model.pretrained else None
     paper = published()["setting"]
-    in_paper = (data["dataset"] in paper_datasets() and data["full"] and cfg.model.backbone == paper["backbone"]
-                and weights == paper["weights"])  # fmt: skip
+    in_paper = (
+        data["dataset"] in paper_datasets()
+        and data["full"]
+        and cfg.model.backbone == paper["backbone"]
+        and weights == paper["weights"]
+    )
     backbone = f"{cfg.model.backbone} ({weights or 'no pretrained weights'})"
-    return {"dataset": data["dataset"], "data": data["text"], "backbone": backbone, "paper_setting": in_paper,
-            "label": f"{backbone} on {data['text']}"}  # fmt: skip
+    return {
+        "dataset": data["dataset"],
+        "data": data["text"],
+        "backbone": backbone,
+        "paper_setting": in_paper,
+        "label": f"{backbone} on {data['text']}",
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the tables
@@ -172,24 +186,34 @@ def published_rows(dataset: str) -> tuple[dict, list[list[str]]]:
 
 def accuracy_table(setting: dict, entries: list[Entry]) -> Table:
     header = ["entry", "source", "seeds"] + [f"{p} {part.capitalize()} (%)" for p in PROTOCOLS for part in PARTS]
-    rows = [[e.label, e.origin, seeds_cell(e)] + [percent(e.stats["accuracy"][p][part]) for p in PROTOCOLS
-                                                  for part in PARTS] for e in entries]  # fmt: skip
-    notes = [f"Setting: {setting['label']}.", "All / Old / New of the unlabelled train samples after training, "
-             "mean ± sd over the seeds (sample sd, n − 1), from each run's last checkpoint."]  # fmt: skip
+    rows = [
+        [e.label, e.origin, seeds_cell(e)]
+        + [percent(e.stats["accuracy"][p][part]) for p in PROTOCOLS for part in PARTS]
+        for e in entries
+    ]
+    notes = [
+        f"Setting: {setting['label']}.",
+        "All / Old / New of the unlabelled train samples after training, "
+        "mean ± sd over the seeds (sample sd, n − 1), from each run's last checkpoint.",
+    ]
     if setting["paper_setting"]:
         table, published_cells = published_rows(setting["dataset"])
         rows = [[*row[:2], "—", *row[2:], *["—"] * 6] for row in published_cells] + rows  # no seeds, v2 only
-        notes.append(reference_note(setting["dataset"], table) + " This is the paper's setting: its rows are "
-                     "comparable with the runs'.")  # fmt: skip
+        notes.append(
+            reference_note(setting["dataset"], table)
+            + " This is the paper's setting: its rows are comparable with the runs'."
+        )
     return Table(f"{setting['label']}: accuracy", notes, header, rows)
 
 
 def reference_note(dataset: str, table: dict) -> str:
     pub = published()
     absent = "; ".join(f"{k}: {v}" for k, v in pub["not_in_paper"].items())
-    return (f"Published rows: {pub['paper']}, {table['table']} ({table['label']}: \"{table['caption']}\"), "
-            f"{table['datasets'][dataset]} columns; {pub['setting']['description']}; protocol {pub['protocol']}. "
-            f"{absent}.")  # fmt: skip
+    return (
+        f'Published rows: {pub["paper"]}, {table["table"]} ({table["label"]}: "{table["caption"]}"), '
+        f"{table['datasets'][dataset]} columns; {pub['setting']['description']}; protocol {pub['protocol']}. "
+        f"{absent}."
+    )
 
 
 def reference_table(dataset: str) -> Table:
@@ -200,13 +224,20 @@ def reference_table(dataset: str) -> Table:
     return Table(f"Published: {table['datasets'][dataset]} (the paper's setting)", notes, header, rows)
 
 
-CODE_COLUMNS = (("all", "code All", 4), ("purity_8", "depth-8 purity", 4), ("nmi_8", "depth-8 NMI", 4),
-                ("mean_length", "mean code length", 1))  # fmt: skip
+CODE_COLUMNS = (
+    ("all", "code All", 4),
+    ("purity_8", "depth-8 purity", 4),
+    ("nmi_8", "depth-8 NMI", 4),
+    ("mean_length", "mean code length", 1),
+)
 
 
 def detail_table(setting: dict, entries: list[Entry], environment: dict[str, str]) -> Table:
-    header = ["entry", "seeds"] + [name for _, name, _ in CODE_COLUMNS] + [
-        "s/epoch", "peak memory (MiB)", "checkpoint", "environment"]  # fmt: skip
+    header = (
+        ["entry", "seeds"]
+        + [name for _, name, _ in CODE_COLUMNS]
+        + ["s/epoch", "peak memory (MiB)", "checkpoint", "environment"]
+    )
     rows = []
     for e in entries:
         s = e.stats
@@ -215,12 +246,20 @@ def detail_table(setting: dict, entries: list[Entry], environment: dict[str, str
             memory += f" ({s['peak_memory_kind']})"
         checkpoints = sorted({r.checkpoint for r in e.runs}) or ["—"]
         env = sorted({environment[str(r.path)] for r in e.runs}) or ["—"]
-        rows.append([e.label, seeds_cell(e)] + [format_spread(s["codes"].get(k), digits, with_range=False)
-                                                for k, _, digits in CODE_COLUMNS]
-                    + [format_spread(s["seconds_per_epoch"], 1, with_range=False), memory, "; ".join(checkpoints),
-                       "; ".join(env)])  # fmt: skip
-    notes = ["The codes: SS-k-means on the binary codes and the code prefixes at depth 8 (RUN/tree.json). "
-             "s/epoch: log.jsonl's mean seconds per epoch; peak memory: the largest epoch's."]  # fmt: skip
+        rows.append(
+            [e.label, seeds_cell(e)]
+            + [format_spread(s["codes"].get(k), digits, with_range=False) for k, _, digits in CODE_COLUMNS]
+            + [
+                format_spread(s["seconds_per_epoch"], 1, with_range=False),
+                memory,
+                "; ".join(checkpoints),
+                "; ".join(env),
+            ]
+        )
+    notes = [
+        "The codes: SS-k-means on the binary codes and the code prefixes at depth 8 (RUN/tree.json). "
+        "s/epoch: log.jsonl's mean seconds per epoch; peak memory: the largest epoch's."
+    ]
     return Table(f"{setting['label']}: codes, time, memory", notes, header, rows)
 
 
@@ -268,8 +307,10 @@ def environment_flags(entries: list[Entry]) -> tuple[dict[str, str], list[str]]:
         cells[path] = "differs" if differences or resumed else "reference" if path == reference else "same numerics"
         if differences:
             lines.append(f"{path} vs {reference}: " + "; ".join(differences))
-        lines += [f"{path}: resumed at epoch {epoch} in an environment whose numerics differ: " + "; ".join(d)
-                  for epoch, d in resumed]  # fmt: skip
+        lines += [
+            f"{path}: resumed at epoch {epoch} in an environment whose numerics differ: " + "; ".join(d)
+            for epoch, d in resumed
+        ]
     return cells, lines
 
 
@@ -289,9 +330,13 @@ def log_points(key: str, part: str | None = None):
     return lambda run: list(zip(*series(run.log, key, part), strict=True))
 
 
-CURVES = (("loss_total", None, "total loss"), ("kmeans_inertia", None, "k-means inertia"),
-          ("seconds", None, "seconds per epoch"), ("eval_codes", "all", "code All (train.eval_every)"),
-          ("eval_codes", "purity_8", "depth-8 purity (train.eval_every)"))  # fmt: skip
+CURVES = (
+    ("loss_total", None, "total loss"),
+    ("kmeans_inertia", None, "k-means inertia"),
+    ("seconds", None, "seconds per epoch"),
+    ("eval_codes", "all", "code All (train.eval_every)"),
+    ("eval_codes", "purity_8", "depth-8 purity (train.eval_every)"),
+)
 
 
 def plot_panels(entries: list[Entry], panels: list[tuple[str, object]], path: Path, ylim=None) -> None:
@@ -317,12 +362,22 @@ def plot_panels(entries: list[Entry], panels: list[tuple[str, object]], path: Pa
 def write_figures(entries: list[Entry], folder: Path) -> list[tuple[Path, str]]:
     """The accuracy curves (before, every `train.eval_every` epochs, after) and the log's curves, as PNGs."""
     folder.mkdir(parents=True, exist_ok=True)
-    accuracy = [(f"{part.capitalize()} (run's protocol; 0 = before training)",
-                 lambda run, part=part: accuracy_points(run.log, run.metrics, part)) for part in PARTS]  # fmt: skip
-    present = [(title, log_points(key, part)) for key, part, title in CURVES
-               if any(series(r.log, key, part)[0] for e in entries for r in e.runs)]  # fmt: skip
-    figures = [(folder / "accuracy.png", "All / Old / New over the epochs: mean over seeds, shaded min to max"),
-               (folder / "training.png", "the log's curves: mean over seeds, shaded min to max")]  # fmt: skip
+    accuracy = [
+        (
+            f"{part.capitalize()} (run's protocol; 0 = before training)",
+            lambda run, part=part: accuracy_points(run.log, run.metrics, part),
+        )
+        for part in PARTS
+    ]
+    present = [
+        (title, log_points(key, part))
+        for key, part, title in CURVES
+        if any(series(r.log, key, part)[0] for e in entries for r in e.runs)
+    ]
+    figures = [
+        (folder / "accuracy.png", "All / Old / New over the epochs: mean over seeds, shaded min to max"),
+        (folder / "training.png", "the log's curves: mean over seeds, shaded min to max"),
+    ]
     plot_panels(entries, accuracy, figures[0][0], ylim=(0, 1))
     plot_panels(entries, present, figures[1][0])
     return figures
@@ -349,13 +404,24 @@ def flags_html(flags: list[str]) -> str:
 
 def comparison_json(entries: list[Entry], shown: list[Table], flags: list[str]) -> dict:
     return {
-        "entries": [{"label": e.label, "origin": e.origin, "setting": e.setting, "runs": [r.record() for r in e.runs],
-                     "unfinished": e.unfinished, **e.stats} for e in entries],  # fmt: skip
+        "entries": [
+            {
+                "label": e.label,
+                "origin": e.origin,
+                "setting": e.setting,
+                "runs": [r.record() for r in e.runs],
+                "unfinished": e.unfinished,
+                **e.stats,
+            }
+            for e in entries
+        ],
         "tables": [{"title": t.title, "notes": t.notes, "header": t.header, "rows": t.rows} for t in shown],
         "environment_flags": flags,
-        "statistics": "mean, sd, min and max over an entry's finished runs; sd is the sample standard deviation "
-                      "(n - 1 in the denominator)",
-    }  # fmt: skip
+        "statistics": (
+            "mean, sd, min and max over an entry's finished runs; sd is the sample standard deviation "
+            "(n - 1 in the denominator)"
+        ),
+    }
 
 
 def compare(paths: list[str | Path], out: str | Path, references: list[str] = (), json_out=None) -> dict:
@@ -367,9 +433,13 @@ def compare(paths: list[str | Path], out: str | Path, references: list[str] = ()
     figures = write_figures(entries, out.parent / out.stem)
     unfinished = [u for e in entries for u in e.unfinished]
     notes = [f"not finished (left out of the numbers): {', '.join(unfinished)}"] if unfinished else []
-    body = ("<h1>infosieve compare</h1>" + "".join(f"<p><em>{html.escape(n)}</em></p>" for n in notes)
-            + "".join(table_html(t) for t in shown) + flags_html(flags)
-            + "".join(figure_html(p, caption) for p, caption in figures))  # fmt: skip
+    body = (
+        "<h1>infosieve compare</h1>"
+        + "".join(f"<p><em>{html.escape(n)}</em></p>" for n in notes)
+        + "".join(table_html(t) for t in shown)
+        + flags_html(flags)
+        + "".join(figure_html(p, caption) for p, caption in figures)
+    )
     out.write_text(html_page("infosieve compare", body))
     result = comparison_json(entries, shown, flags)
     if json_out:

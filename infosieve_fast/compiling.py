@@ -53,9 +53,7 @@ def compiled_modules(model: nn.Module) -> list[nn.Module]:
 def check_compile_setting(setting: str, device: torch.device) -> None:
     """Refuse `train.compile=on` where it cannot run, before anything is built."""
     if setting == "on" and device.type != "cuda":
-        raise ValueError(
-            "train.compile=on needs CUDA (torch.compile on the CPU does not pay here): set it auto or off"
-        )
+        raise ValueError("train.compile=on needs CUDA (torch.compile on the CPU does not pay here): set it auto or off")
 
 
 def compile_with_fallback(

@@ -77,6 +77,9 @@ class OptimConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-4
     min_lr_ratio: float = 1e-3  # cosine to lr * this (CosineAnnealingLR eta_min = lr * 1e-3)
+    # The trained backbone blocks' lr as a share of lr (1.0: one lr for every parameter, the reference). Below 1 the
+    # pretrained features drift less while the freshly initialised heads learn at full speed.
+    backbone_lr_scale: float = 1.0
 
 
 @dataclass

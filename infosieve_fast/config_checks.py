@@ -98,6 +98,7 @@ RANGES = {
     "optim.momentum": Range(0.0, 1.0, open_high=True),
     "optim.weight_decay": Range(0.0),
     "optim.min_lr_ratio": _SHARE,
+    "optim.backbone_lr_scale": _SHARE,
     "schedule.epochs": _SIZE,
     "schedule.age_max": _POSITIVE,
     # the positional base falls from base_start by up to 1 over the run, and base^-k needs a positive base

@@ -68,8 +68,12 @@ def margins_by_cluster(records: list[dict]) -> dict[int, dict]:
     for cluster in sorted({r["cluster"] for r in records}):
         mine = [r for r in records if r["cluster"] == cluster]
         low = min(mine, key=lambda r: r["margin"])
-        out[cluster] = {"images": len(mine), "mean_margin": float(np.mean([r["margin"] for r in mine])),
-                        "lowest_margin": low["margin"], "lowest_path": low["path"]}  # fmt: skip
+        out[cluster] = {
+            "images": len(mine),
+            "mean_margin": float(np.mean([r["margin"] for r in mine])),
+            "lowest_margin": low["margin"],
+            "lowest_path": low["path"],
+        }
     return out
 
 
@@ -79,28 +83,43 @@ def pool_section(run: Path, clustering: dict, class_names: list[str], n_clusters
     targets, preds, n_old = np.asarray(clustering["targets"]), np.asarray(clustering["preds"]), int(clustering["n_old"])
     pool = targets == NO_LABEL
     held, right = held_out_accuracy(targets, preds)
-    lines = [f"The unlabelled pool: {int(pool.sum()):,} images with no label. All/Old/New need labels, so they score "
-             "only the held-out labelled images below, never the pool."]  # fmt: skip
+    lines = [
+        f"The unlabelled pool: {int(pool.sum()):,} images with no label. All/Old/New need labels, so they score "
+        "only the held-out labelled images below, never the pool."
+    ]
     if held:
-        lines.append(f"Held-out labelled images: {held:,}; in their own class's cluster: {right:,} "
-                     f"(accuracy {right / held:.3f}).")
+        lines.append(
+            f"Held-out labelled images: {held:,}; in their own class's cluster: {right:,} "
+            f"(accuracy {right / held:.3f})."
+        )
     else:
         lines.append("No labelled image was held out, so no accuracy can be measured (make-shards --holdout SHARE).")
     predictions = run / PREDICTIONS
     margins = margins_by_cluster(read_predictions(predictions)) if predictions.is_file() else {}
     if not margins:
-        lines.append(f"No {PREDICTIONS} in the run folder: margins appear after `infosieve predict --run {run} "
-                     f"--images DATA/unlabelled --out {predictions}`.")  # fmt: skip
+        lines.append(
+            f"No {PREDICTIONS} in the run folder: margins appear after `infosieve predict --run {run} "
+            f"--images DATA/unlabelled --out {predictions}`."
+        )
     rows = []
     for c in range(n_clusters):
         m = margins.get(c)
-        cells = [str(c), cluster_name(c, class_names, n_old), f"{int((pool & (preds == c)).sum()):,}",
-                 f"{int((~pool & (preds == c)).sum()):,}"]  # fmt: skip
-        cells += [f"{m['images']:,}", f"{m['mean_margin']:.4f}", f"{m['lowest_margin']:.4f} ({m['lowest_path']})"] \
-            if m else ["—"] * 3  # fmt: skip
+        cells = [
+            str(c),
+            cluster_name(c, class_names, n_old),
+            f"{int((pool & (preds == c)).sum()):,}",
+            f"{int((~pool & (preds == c)).sum()):,}",
+        ]
+        cells += (
+            [f"{m['images']:,}", f"{m['mean_margin']:.4f}", f"{m['lowest_margin']:.4f} ({m['lowest_path']})"]
+            if m
+            else ["—"] * 3
+        )
         rows.append("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in cells) + "</tr>")
-    head = ("<tr><th>cluster</th><th>name</th><th>pool images</th><th>held-out images</th>"
-            f"<th>predicted ({PREDICTIONS})</th><th>mean margin</th><th>lowest margin (image)</th></tr>")  # fmt: skip
+    head = (
+        "<tr><th>cluster</th><th>name</th><th>pool images</th><th>held-out images</th>"
+        f"<th>predicted ({PREDICTIONS})</th><th>mean margin</th><th>lowest margin (image)</th></tr>"
+    )
     text = "".join(f"<p>{html.escape(line)}</p>" for line in lines)
     return f"<h2>Discovery: the unlabelled pool</h2>{text}<table>{head}{''.join(rows)}</table>"
 

@@ -40,6 +40,7 @@ from .trainer_setup import (
     build_optimizer,
     check_source_fits,
     epoch_seed,
+    load_optimizer_state,
     rank_seed,
     resolve_device,
 )
@@ -142,8 +143,8 @@ class Trainer:
             uq = torch.empty(0, dtype=torch.long, device=self.device)
         uq, order = uq.long().sort()
         all_uq = dist.all_gather_cat(uq)[0]
-        unreadable = dist.all_gather_cat(torch.as_tensor(self.source.unreadable(), dtype=torch.long,
-                                                         device=self.device))[0].unique()  # fmt: skip
+        mine_unreadable = torch.as_tensor(self.source.unreadable(), dtype=torch.long, device=self.device)
+        unreadable = dist.all_gather_cat(mine_unreadable)[0].unique()
         n = self.source.n_train
         seen = torch.bincount(torch.cat([all_uq, unreadable]).clamp(0, n - 1), minlength=n)
         if len(all_uq) + len(unreadable) != n or bool((seen != 1).any()):
@@ -226,11 +227,21 @@ class Trainer:
         k = self.cfg.kmeans
         lab = fs.labelled
         result = semi_supervised_kmeans(
-            fs.feats[~lab], fs.feats[lab], fs.targets[lab], self.clusters(fs),
-            n_init=k.n_init, max_iter=k.max_iter, tol=k.tol, balanced=balanced, balance=k.balance,
-            cluster_size=k.cluster_size if balanced else None, freeze_labelled_centers=k.freeze_labelled_centers,
-            seed=seed, backend=k.backend, distance_precision=k.distance_precision,
-        )  # fmt: skip
+            fs.feats[~lab],
+            fs.feats[lab],
+            fs.targets[lab],
+            self.clusters(fs),
+            n_init=k.n_init,
+            max_iter=k.max_iter,
+            tol=k.tol,
+            balanced=balanced,
+            balance=k.balance,
+            cluster_size=k.cluster_size if balanced else None,
+            freeze_labelled_centers=k.freeze_labelled_centers,
+            seed=seed,
+            backend=k.backend,
+            distance_precision=k.distance_precision,
+        )
         labels = result.labels.to(self.device)
         mine = torch.empty_like(fs.targets)
         n_lab = int(lab.sum())
@@ -297,7 +308,7 @@ class Trainer:
         length_base = 2.0 if cfg.loss.length_weights == "stale" else sched.base
         self.model.labeller.set_schedule(sched.age, sched.base, length_base)
         for group in self.optimizer.param_groups:
-            group["lr"] = sched.lr
+            group["lr"] = sched.lr * group["lr_scale"]
 
         name = f"epoch {epoch + 1}/{cfg.schedule.epochs}"
         compile_record = self.compile_once()
@@ -311,13 +322,44 @@ class Trainer:
         kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
         status.close()
 
+        monitor = self._run_steps(name, epoch, pseudo)
+        record = {
+            "epoch": epoch,
+            "lr": sched.lr,
+            "age": sched.age,
+            "base": sched.base,
+            "steps": monitor.steps,
+            "unreadable": len(self.unreadable),
+        }
+        record.update({f"loss_{k}": v for k, v in monitor.means().items()})
+        end = time.perf_counter()  # monitor.check() read the device: the steps have finished
+        record.update(
+            {
+                "kmeans_inertia": clustering.inertia,
+                "seconds": end - start,
+                "seconds_features": features_done - start,
+                "seconds_kmeans": kmeans_done - features_done,
+                "seconds_steps": end - kmeans_done,
+                **compile_record,
+            }
+        )
+        return record
+
+    def _run_steps(self, name: str, epoch: int, pseudo: Tensor) -> LossMonitor:
+        """The epoch's training steps on its pseudo-labels, under a progress bar; returns their checked losses."""
+        cfg = self.cfg
         gen = self._generator(rank_seed(epoch_seed(cfg.train.seed, epoch, 3)))
         monitor = LossMonitor(epoch)
         batches = self.source.train_batches(cfg.data.batch_size, epoch, cfg.train.seed)
         bar = tqdm(
-            batches, desc=name, total=self.steps_per_epoch(), unit="step", leave=False, dynamic_ncols=True,
+            batches,
+            desc=name,
+            total=self.steps_per_epoch(),
+            unit="step",
+            leave=False,
+            dynamic_ncols=True,
             disable=not dist.is_main_process(),
-        )  # fmt: skip
+        )
         for batch in bar:
             if cfg.train.max_steps_per_epoch is not None and monitor.steps >= cfg.train.max_steps_per_epoch:
                 break
@@ -329,15 +371,7 @@ class Trainer:
                 "the epoch had no full batch: lower data.batch_size (per rank) or use more training data"
             )
         monitor.check()
-        record = {"epoch": epoch, "lr": sched.lr, "age": sched.age, "base": sched.base, "steps": monitor.steps,
-                  "unreadable": len(self.unreadable)}  # fmt: skip
-        record.update({f"loss_{k}": v for k, v in monitor.means().items()})
-        end = time.perf_counter()  # monitor.check() read the device: the steps have finished
-        record.update({
-            "kmeans_inertia": clustering.inertia, "seconds": end - start, "seconds_features": features_done - start,
-            "seconds_kmeans": kmeans_done - features_done, "seconds_steps": end - kmeans_done, **compile_record,
-        })  # fmt: skip
-        return record
+        return monitor
 
     def compile_once(self) -> dict:
         """`train.compile`, before the first epoch of this process (`train_epoch` calls it): the epoch record's
@@ -408,7 +442,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         """Continue training from a checkpoint: `load_model_state`, then the optimizer state and the RNG."""
         self.load_model_state(state)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         ckpt.restore_rng_state(state["torch_rng"])
 
     def load_model_state(self, state: dict) -> None:
@@ -422,5 +456,11 @@ class Trainer:
 def status_line(text: str) -> tqdm:
     """A one-line progress note on the terminal (rank 0) for a stage without steps to count: the feature pass,
     k-means; it shows the time spent so far and disappears when closed."""
-    return tqdm(total=0, desc=text, bar_format="{desc} ({elapsed})", leave=False, dynamic_ncols=True,
-                disable=not dist.is_main_process())  # fmt: skip
+    return tqdm(
+        total=0,
+        desc=text,
+        bar_format="{desc} ({elapsed})",
+        leave=False,
+        dynamic_ncols=True,
+        disable=not dist.is_main_process(),
+    )

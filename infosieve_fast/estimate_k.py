@@ -34,9 +34,17 @@ from .metrics import cluster_acc
 SILHOUETTE_SAMPLE = 4000
 
 
-def labelled_accuracy(feats: torch.Tensor, targets: np.ndarray, labelled: np.ndarray, k: int, *, n_seeds: int,
-                      max_iter: int, seed: int, labels_table: Callable[[torch.Tensor], torch.Tensor] | None = None
-                      ) -> tuple[float, float]:  # fmt: skip
+def labelled_accuracy(
+    feats: torch.Tensor,
+    targets: np.ndarray,
+    labelled: np.ndarray,
+    k: int,
+    *,
+    n_seeds: int,
+    max_iter: int,
+    seed: int,
+    labels_table: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[float, float]:
     """(mean, standard error) over `n_seeds` k-means runs of the clustering accuracy on the labelled points.
     `labels_table`: maps the k-means labels of `feats`' rows to the rows of `targets` and `labelled`, when those are
     indexed otherwise (the trainer's tables by sample id, complete on every rank under torchrun, where `feats` holds
@@ -49,12 +57,14 @@ def labelled_accuracy(feats: torch.Tensor, targets: np.ndarray, labelled: np.nda
     return float(np.mean(accs)), float(np.std(accs, ddof=1) / np.sqrt(n_seeds)) if n_seeds > 1 else 0.0
 
 
-def unlabelled_silhouette(feats: torch.Tensor, targets: np.ndarray, labelled: np.ndarray, k: int, *, max_iter: int,
-                          seed: int) -> float:  # fmt: skip
+def unlabelled_silhouette(
+    feats: torch.Tensor, targets: np.ndarray, labelled: np.ndarray, k: int, *, max_iter: int, seed: int
+) -> float:
     """Silhouette of the unlabelled points under semi-supervised k-means with k clusters (labelled points anchored)."""
     lab = torch.from_numpy(labelled).to(feats.device)
-    res = semi_supervised_kmeans(feats[~lab], feats[lab], torch.from_numpy(targets[labelled]), k, n_init=1,
-                                 max_iter=max_iter, seed=seed)  # fmt: skip
+    res = semi_supervised_kmeans(
+        feats[~lab], feats[lab], torch.from_numpy(targets[labelled]), k, n_init=1, max_iter=max_iter, seed=seed
+    )
     pred = res.labels.cpu().numpy()[int(labelled.sum()) :]
     if len(np.unique(pred)) < 2:
         return -1.0

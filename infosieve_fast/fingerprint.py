@@ -28,10 +28,21 @@ RESUME_ENVIRONMENTS = "fingerprint-resumes.jsonl"
 # the fields whose difference changes numerics (dotted: inside a section), in the order differences are listed;
 # `device` compares the device type and `cpu` only between two CPU runs (see `numerics_differences`)
 NUMERICS_FIELDS = (
-    "tree_hash", "torch", "cuda", "cudnn", "triton", "device", "gpu", "cpu",
-    "precision.tf32_matmul", "precision.tf32_cudnn", "precision.float32_matmul_precision", "precision.amp_dtype",
-    "world_size", "backbone_weights.sha256",
-)  # fmt: skip
+    "tree_hash",
+    "torch",
+    "cuda",
+    "cudnn",
+    "triton",
+    "device",
+    "gpu",
+    "cpu",
+    "precision.tf32_matmul",
+    "precision.tf32_cudnn",
+    "precision.float32_matmul_precision",
+    "precision.amp_dtype",
+    "world_size",
+    "backbone_weights.sha256",
+)
 
 
 def collect(cfg: Config, device: torch.device | str, world_size: int, *, weights: bool = True) -> dict:
@@ -172,8 +183,10 @@ def record_resume(run_dir: str | Path, cfg: Config, device: torch.device, world_
     # rewritten whole, atomically: a kill mid-write leaves the previous records, never a torn line under a new one
     ckpt.rewrite_log(run_dir / RESUME_ENVIRONMENTS, [*resume_environments(run_dir), record])
     if recorded is None:
-        print(f"note: {run_dir} has no {FINGERPRINT} (it was created before fingerprints were recorded); this "
-              f"resume's environment is recorded in {run_dir / RESUME_ENVIRONMENTS}")  # fmt: skip
+        print(
+            f"note: {run_dir} has no {FINGERPRINT} (it was created before fingerprints were recorded); this "
+            f"resume's environment is recorded in {run_dir / RESUME_ENVIRONMENTS}"
+        )
     elif differences:
         listed = "".join(f"\n  {line}" for line in differences)
         print(

@@ -41,6 +41,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
+from .best_checkpoint import describe
+from .best_checkpoint import load as load_run_checkpoint
 from .config import from_saved
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.decode import pad_into
@@ -57,15 +59,27 @@ OUTPUT_SUFFIXES = (".jsonl", ".csv")
 FIELDS = ("path", "cluster", "name", "margin", "code", "prefix", "tree_path")
 
 
-def model_from_run(run_dir: str | Path, device: torch.device) -> tuple[InfoSieve, dict]:
-    """The run's model with its checkpoint's weights (the backbone is built without `model.pretrained`: the weights
-    come from the checkpoint), in eval mode, and the checkpoint."""
-    state = ckpt.load_checkpoint(run_dir)
+def model_from_run(run_dir: str | Path, device: torch.device, checkpoint: str = "last") -> tuple[InfoSieve, dict]:
+    """The run's model with its last (or best) checkpoint's weights (the backbone is built without
+    `model.pretrained`: the weights come from the checkpoint), in eval mode, and the checkpoint."""
+    state, _ = load_run_checkpoint(run_dir, checkpoint)
     cfg = from_saved(state["config"])
     cfg.model.pretrained = None
     model = InfoSieve(cfg.model, state["n_old"])
     model.load_state_dict(state["model"])
     return model.to(device).eval(), state
+
+
+def centers_from_run(run_dir: str | Path, state: dict, checkpoint: str) -> Tensor:
+    """The centres new images are assigned to: the last checkpoint's final clustering; for the best checkpoint, its
+    weights' clustering of the run's train samples, computed again (the run's data must still be where it was)."""
+    from .run_folder import assignment_centers, trainer_from_run
+
+    if checkpoint == "best":
+        return assignment_centers(trainer_from_run(run_dir, "best"), run_dir, "best")
+    if state.get("centers") is None:
+        raise ValueError(f"{run_dir}'s checkpoint holds no k-means centres: it predates them; train it again")
+    return state["centers"]
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,11 @@ def shard_items(spec, image_keys: tuple[str, ...]) -> list[tuple[str, object]]:
             continue
         if without:
             keys = ", ".join(image_keys)
-            print(f"infosieve predict: WARNING: {without} sample(s) of {tar} have no image under any of the keys "
-                  f"{keys}: skipped (set data.intake.image_keys in the run's config)", file=sys.stderr)  # fmt: skip
+            print(
+                f"infosieve predict: WARNING: {without} sample(s) of {tar} have no image under any of the keys "
+                f"{keys}: skipped (set data.intake.image_keys in the run's config)",
+                file=sys.stderr,
+            )
         items += [(f"{Path(tar).name}/{key}", ShardImage(tar, a, n)) for key, a, n in found]
     return items
 
@@ -163,17 +180,23 @@ def _batches(items: list, batch_size: int, shorter: int, channels: int) -> Itera
 
 
 @torch.no_grad()
-def predict(run_dir: str | Path, images: str | Path, out: str | Path, batch_size: int = 64,
-            device: str = "auto", progress: bool = True) -> dict:  # fmt: skip
-    """Write one record per readable image of `images` to `out` (.jsonl or .csv); returns a summary."""
+def predict(
+    run_dir: str | Path,
+    images: str | Path,
+    out: str | Path,
+    batch_size: int = 64,
+    device: str = "auto",
+    progress: bool = True,
+    checkpoint: str = "last",
+) -> dict:
+    """Write one record per readable image of `images` to `out` (.jsonl or .csv) with the run's last (or best)
+    checkpoint; returns a summary, which names the checkpoint."""
     out = Path(out)
     if out.suffix.lower() not in OUTPUT_SUFFIXES:
         raise ValueError(f"--out {out} must end in .jsonl or .csv (the output format)")
     dev = resolve_device(device)
-    model, state = model_from_run(run_dir, dev)
-    if state.get("centers") is None:
-        raise ValueError(f"{run_dir}'s checkpoint holds no k-means centres: it predates them; train it again")
-    centers = state["centers"].to(dev).float()
+    model, state = model_from_run(run_dir, dev, checkpoint)
+    centers = centers_from_run(run_dir, state, checkpoint).to(dev).float()
     names = state.get("class_names") or []
     n_old = model.labeller.categorizer[-1].out_features
     cfg = from_saved(state["config"])
@@ -182,7 +205,6 @@ def predict(run_dir: str | Path, images: str | Path, out: str | Path, batch_size
     shorter = int(d.crop_size / 0.875)  # the reference: Resize(int(224 / 0.875)) = 256, then CenterCrop(224)
     channels = int(cfg.model.backbone_kwargs.get("in_chans", 3))
     items = image_items(images, parse_image_keys(d.intake.image_keys))
-    amp = dev.type == "cuda"
     records, counts = [], np.zeros(len(centers), np.int64)
     bar = tqdm(total=len(items), desc="predict", unit="img", disable=not progress)
     for tried, paths, imgs in _batches(items, batch_size, shorter, channels):
@@ -192,25 +214,34 @@ def predict(run_dir: str | Path, images: str | Path, out: str | Path, batch_size
         canvas, sizes = pad_into(imgs)
         uniform = bool((sizes == sizes[:1]).all())
         x = augment.test_view(canvas.to(dev), None if uniform else sizes.to(dev))
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            out_ = model(x)
-        feats = torch.nn.functional.normalize(out_.backbone.float(), dim=-1)
-        dist = torch.cdist(feats, centers)
-        two = dist.topk(min(2, len(centers)), dim=1, largest=False)
-        cluster = two.indices[:, 0].cpu().tolist()
-        margin = (two.values[:, -1] - two.values[:, 0]).cpu().tolist()
-        raw, mask = out_.head.code_raw.float(), out_.head.mask.float()
-        codes = code_strings(raw, torch.ones_like(mask))
-        prefixes = code_strings(raw, mask)
-        for p, c, m, code, prefix in zip(paths, cluster, margin, codes, prefixes, strict=True):
-            counts[c] += 1
-            path = [prefix[: i + 1] for i in range(len(prefix))]
-            records.append({"path": p, "cluster": c, "name": cluster_name(c, names, n_old), "margin": round(m, 6),
-                            "code": code, "prefix": prefix, "tree_path": path})  # fmt: skip
+        for path, cluster, margin, code, prefix in zip(paths, *sort_batch(model, x, centers), strict=True):
+            counts[cluster] += 1
+            tree_path = [prefix[: i + 1] for i in range(len(prefix))]
+            values = (path, cluster, cluster_name(cluster, names, n_old), round(margin, 6), code, prefix, tree_path)
+            records.append(dict(zip(FIELDS, values, strict=True)))
     bar.close()
     _write(out, records)
-    return {"images": len(items), "written": len(records), "skipped": len(items) - len(records), "out": str(out),
-            "clusters_used": int((counts > 0).sum())}  # fmt: skip
+    return {
+        "images": len(items),
+        "written": len(records),
+        "skipped": len(items) - len(records),
+        "out": str(out),
+        "clusters_used": int((counts > 0).sum()),
+        "checkpoint": describe(state, checkpoint),
+    }
+
+
+@torch.no_grad()
+def sort_batch(model: InfoSieve, x: Tensor, centers: Tensor) -> tuple[list, list, list, list]:
+    """Per image of the test views `x`: the nearest centre, the margin to the second nearest, the whole code and the
+    prefix the mask keeps."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+        out = model(x)
+    feats = torch.nn.functional.normalize(out.backbone.float(), dim=-1)
+    two = torch.cdist(feats, centers).topk(min(2, len(centers)), dim=1, largest=False)
+    margins = (two.values[:, -1] - two.values[:, 0]).cpu().tolist()
+    raw, mask = out.head.code_raw.float(), out.head.mask.float()
+    return two.indices[:, 0].cpu().tolist(), margins, code_strings(raw, torch.ones_like(mask)), code_strings(raw, mask)
 
 
 def _write(out: Path, records: list[dict]) -> None:

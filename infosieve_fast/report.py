@@ -121,8 +121,11 @@ def plot_confusion(targets: np.ndarray, preds: np.ndarray, n_old: int, path: Pat
     fig, ax = plt.subplots(figsize=(6, 5.5))
     im = ax.imshow(counts[:, order] / np.maximum(counts.sum(1, keepdims=True), 1), cmap="viridis", vmin=0, vmax=1)
     ax.axhline(n_old - 0.5, color="w", lw=1)
-    ax.set(title="final clustering of the unlabelled samples (row-normalised)", xlabel="cluster (matched order)",
-           ylabel="true class (known above the line)")  # fmt: skip
+    ax.set(
+        title="final clustering of the unlabelled samples (row-normalised)",
+        xlabel="cluster (matched order)",
+        ylabel="true class (known above the line)",
+    )
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -174,12 +177,22 @@ def plot_tree(tree: dict, path: Path, depth: int = TREE_DEPTH) -> None:
         area = 60 + 2400 * node["n"] / total  # points²: a circle of diameter sqrt(area) points
         colour = "0.85" if node["purity"] is None else cmap(node["purity"])  # None: no member has a label
         ax.scatter([x], [-level], s=area, color=colour, edgecolor="k", zorder=2)
-        ax.annotate(node_label(node, names), (x, -level), ha="center", va="top", xytext=(0, -(area**0.5 / 2 + 3)),
-                    textcoords="offset points", fontsize=7)  # fmt: skip
+        ax.annotate(
+            node_label(node, names),
+            (x, -level),
+            ha="center",
+            va="top",
+            xytext=(0, -(area**0.5 / 2 + 3)),
+            textcoords="offset points",
+            fontsize=7,
+        )
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, 1))
     fig.colorbar(sm, ax=ax, fraction=0.03, label="purity (majority class share)")
-    ax.set(title=f"implicit category tree: code prefixes to depth {depth}", xlim=(-0.7, width - 0.3),
-           ylim=(-depth - 0.9, 0.5))  # fmt: skip
+    ax.set(
+        title=f"implicit category tree: code prefixes to depth {depth}",
+        xlim=(-0.7, width - 0.3),
+        ylim=(-depth - 0.9, 0.5),
+    )
     ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -188,8 +201,10 @@ def plot_tree(tree: dict, path: Path, depth: int = TREE_DEPTH) -> None:
 
 def figure_html(path: Path, alt: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"><figcaption>' \
-           f"{html.escape(alt)}</figcaption></figure>"  # fmt: skip
+    return (
+        f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"><figcaption>'
+        f"{html.escape(alt)}</figcaption></figure>"
+    )
 
 
 def html_page(title: str, body: str) -> str:
@@ -202,8 +217,13 @@ def html_page(title: str, body: str) -> str:
     )
 
 
-def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict | None = None,
-                 depth: int = TREE_DEPTH, checkpoint: str = "last") -> Path:  # fmt: skip
+def write_report(
+    run_dir: str | Path,
+    clustering: dict | None = None,
+    tree: dict | None = None,
+    depth: int = TREE_DEPTH,
+    checkpoint: str = "last",
+) -> Path:
     """Write `RUN/report.html` and `RUN/report/*.png`; returns the HTML's path.
 
     `clustering`: {"targets", "preds", "n_old"} of the unlabelled train samples; `tree`: `tree.build_tree`'s output.
@@ -227,24 +247,7 @@ def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict
     out = run / "report"
     out.mkdir(exist_ok=True)
     unscored = unscored_parts(clustering["targets"], int(clustering["n_old"])) if clustering is not None else {}
-    figures = [("losses.png", "every loss term per epoch", lambda p: plot_losses(log, p)),
-               ("schedules.png", "lr, age and base schedules; k-means inertia", lambda p: plot_schedules(log, p))]
-    if len(unscored) < 3:
-        figures.append(("accuracy.png", "All / Old / New", lambda p: plot_accuracy(log, metrics, p, unscored)))
-    notes = unscored_notes(unscored)
-    if clustering is not None and "all" not in unscored:
-        labelled = np.asarray(clustering["targets"]) != NO_LABEL  # the confusion matrix's rows are true classes
-        figures.append(("confusion.png", "confusion matrix of the final clustering (unlabelled samples)",
-                        lambda p: plot_confusion(np.asarray(clustering["targets"])[labelled],
-                                                 np.asarray(clustering["preds"])[labelled],
-                                                 int(clustering["n_old"]), p)))  # fmt: skip
-    elif clustering is None:
-        notes.append("no final clustering recorded (the run has not finished)")
-    if tree is not None:
-        figures.append(("tree.png", f"implicit category tree to depth {depth}",
-                        lambda p: plot_tree(tree, p, depth)))  # fmt: skip
-    else:
-        notes.append("no tree.json: run `infosieve tree --run RUN` first")
+    figures, notes = report_figures(log, metrics, clustering, tree, unscored, depth)
     body = []
     for name, caption, draw in figures:
         draw(out / name)
@@ -258,6 +261,40 @@ def write_report(run_dir: str | Path, clustering: dict | None = None, tree: dict
     path = run / "report.html"
     path.write_text(page)
     return path
+
+
+def report_figures(
+    log: list[dict], metrics: dict | None, clustering: dict | None, tree: dict | None, unscored: dict, depth: int
+) -> tuple[list[tuple], list[str]]:
+    """The page's figures, (file name, caption, draw(path)), and notes on the ones it cannot show."""
+    figures = [
+        ("losses.png", "every loss term per epoch", lambda p: plot_losses(log, p)),
+        ("schedules.png", "lr, age and base schedules; k-means inertia", lambda p: plot_schedules(log, p)),
+    ]
+    if len(unscored) < 3:
+        figures.append(("accuracy.png", "All / Old / New", lambda p: plot_accuracy(log, metrics, p, unscored)))
+    notes = unscored_notes(unscored)
+    if clustering is not None and "all" not in unscored:
+        labelled = np.asarray(clustering["targets"]) != NO_LABEL  # the confusion matrix's rows are true classes
+        figures.append(
+            (
+                "confusion.png",
+                "confusion matrix of the final clustering (unlabelled samples)",
+                lambda p: plot_confusion(
+                    np.asarray(clustering["targets"])[labelled],
+                    np.asarray(clustering["preds"])[labelled],
+                    int(clustering["n_old"]),
+                    p,
+                ),
+            )
+        )
+    elif clustering is None:
+        notes.append("no final clustering recorded (the run has not finished)")
+    if tree is not None:
+        figures.append(("tree.png", f"implicit category tree to depth {depth}", lambda p: plot_tree(tree, p, depth)))
+    else:
+        notes.append("no tree.json: run `infosieve tree --run RUN` first")
+    return figures, notes
 
 
 def metrics_table(metrics: dict, unscored: dict) -> str:
@@ -281,8 +318,11 @@ def best_checkpoint_view(run: Path, depth: int) -> tuple[str, dict, dict, dict]:
     trainer, read = read_run(run, "best")
     ev = trainer.evaluate_full()
     unl = ev.unlabelled
-    clustering = {"targets": ev.targets[unl].cpu().numpy(), "preds": ev.clustering.labels[unl].cpu().numpy(),
-                  "n_old": trainer.source.n_old}  # fmt: skip
+    clustering = {
+        "targets": ev.targets[unl].cpu().numpy(),
+        "preds": ev.clustering.labels[unl].cpu().numpy(),
+        "n_old": trainer.source.n_old,
+    }
     return read, ev.metrics, clustering, trainer_tree(trainer, depth)
 
 
@@ -291,8 +331,11 @@ def checkpoint_html(read: str, metrics: dict | None) -> str:
     text = f"<p>checkpoint: <b>{html.escape(read)}</b></p>"
     if metrics is None:
         return text
-    cells = "".join("<td>not computed</td>" if metrics[k] is None else f"<td>{metrics[k]:.4f}</td>"
-                    for k in ("all", "old", "new"))  # fmt: skip
-    return (f"{text}<p><em>The confusion matrix and the tree are of this checkpoint's weights; the curves and the "
-            f"before/after table cover the whole run (after: the last checkpoint).</em></p><table><tr><th></th>"
-            f"<th>All</th><th>Old</th><th>New</th></tr><tr><td>{html.escape(read)}</td>{cells}</tr></table>")
+    cells = "".join(
+        "<td>not computed</td>" if metrics[k] is None else f"<td>{metrics[k]:.4f}</td>" for k in ("all", "old", "new")
+    )
+    return (
+        f"{text}<p><em>The confusion matrix and the tree are of this checkpoint's weights; the curves and the "
+        f"before/after table cover the whole run (after: the last checkpoint).</em></p><table><tr><th></th>"
+        f"<th>All</th><th>Old</th><th>New</th></tr><tr><td>{html.escape(read)}</td>{cells}</tr></table>"
+    )

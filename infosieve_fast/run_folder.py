@@ -97,8 +97,10 @@ def _train(
     metrics = final_evaluation(trainer, run_dir, before, best)
     if dist.is_main_process():
         if best.enabled:
-            print(f"best checkpoint: {best.best['criterion']} {best.best['value']:.6g} at epoch {best.best['epoch']}, "
-                  f"in {run_dir / BEST_CHECKPOINT} (read it with --checkpoint best)")  # fmt: skip
+            print(
+                f"best checkpoint: {best.best['criterion']} {best.best['value']:.6g} at epoch {best.best['epoch']}, "
+                f"in {run_dir / BEST_CHECKPOINT} (read it with --checkpoint best)"
+            )
         print_finished(run_dir, time.perf_counter() - started, None if state is None else start, cfg.schedule.epochs)
     dist.barrier()
     return metrics
@@ -209,8 +211,10 @@ def reopen_run(cfg: Config, run_dir: Path, start: int, overrides: list[str], cha
     ckpt.remove_temporary_files(run_dir)
     ckpt.rewrite_log(run_dir / LOG, [r for r in ckpt.read_log(run_dir / LOG) if r["epoch"] < start])
     if overrides:  # recorded first: a kill before the next checkpoint leaves config.yaml explained
-        ckpt.append_log(run_dir / RESUMES, {"epoch": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                            "set": overrides, "changed": changed})  # fmt: skip
+        ckpt.append_log(
+            run_dir / RESUMES,
+            {"epoch": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "set": overrides, "changed": changed},
+        )
         save_config(cfg, run_dir / CONFIG)
     if start < cfg.schedule.epochs:
         print(f"resuming {run_dir} at epoch {start + 1}/{cfg.schedule.epochs}")
@@ -419,8 +423,21 @@ def read_run(run_dir: str | Path, checkpoint: str = "last") -> tuple[Trainer, st
 
 
 def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last") -> dict:
-    """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`."""
-    return trainer_tree(trainer_from_run(run_dir, checkpoint), max_depth)
+    """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`, and under "checkpoint" what
+    was read."""
+    trainer, read = read_run(run_dir, checkpoint)
+    return trainer_tree(trainer, max_depth) | {"checkpoint": read}
+
+
+def assignment_centers(trainer: Trainer, run_dir: str | Path, checkpoint: str) -> torch.Tensor:
+    """The train clustering's centres that test or new images are assigned to: the last checkpoint holds the final
+    evaluation's; the best one holds its epoch's pseudo-label round (features of the weights before that epoch), so
+    its evaluation's SS-k-means runs again."""
+    if checkpoint == "best":
+        return trainer.evaluate_full().clustering.centers
+    if trainer.centers is None:
+        raise ValueError(f"{run_dir}'s checkpoint holds no k-means centres (it predates them): train it again")
+    return trainer.centers
 
 
 def trainer_tree(trainer: Trainer, max_depth: int = 8) -> dict:

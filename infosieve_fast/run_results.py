@@ -74,13 +74,20 @@ class RunResult:
         """The JSON-ready summary of the run."""
         peak = self.peak_memory
         return {
-            "run": str(self.path), "seed": self.cfg.train.seed, "epochs": self.cfg.schedule.epochs,
-            "epochs_done": len(self.log), "finished": self.finished, "protocol": self.cfg.train.eval_protocol,
-            "before": self.metrics["before"] if self.metrics else None, "accuracy": self.accuracy,
-            "codes": self.codes, "seconds_per_epoch": self.seconds_per_epoch,
-            "peak_memory_mib": None if peak is None else peak[0], "peak_memory_kind": None if peak is None else peak[1],
+            "run": str(self.path),
+            "seed": self.cfg.train.seed,
+            "epochs": self.cfg.schedule.epochs,
+            "epochs_done": len(self.log),
+            "finished": self.finished,
+            "protocol": self.cfg.train.eval_protocol,
+            "before": self.metrics["before"] if self.metrics else None,
+            "accuracy": self.accuracy,
+            "codes": self.codes,
+            "seconds_per_epoch": self.seconds_per_epoch,
+            "peak_memory_mib": None if peak is None else peak[0],
+            "peak_memory_kind": None if peak is None else peak[1],
             "checkpoint": self.checkpoint,
-        }  # fmt: skip
+        }
 
 
 def read_run(run_dir: str | Path) -> RunResult:
@@ -94,9 +101,14 @@ def read_run(run_dir: str | Path) -> RunResult:
     metrics = _read_json(run / METRICS)
     tree = _read_json(run / TREE)
     return RunResult(
-        run, cfg, read_log(run / LOG), metrics, protocol_accuracies(run, metrics),
-        None if tree is None else tree["measures"], read_best(run),
-    )  # fmt: skip
+        run,
+        cfg,
+        read_log(run / LOG),
+        metrics,
+        protocol_accuracies(run, metrics),
+        None if tree is None else tree["measures"],
+        read_best(run),
+    )
 
 
 def _read_json(path: Path) -> dict | None:

@@ -22,8 +22,8 @@ NOT_CODE = {"__pycache__", "results", ".pytest_cache", ".benchmarks"}
 
 def git_state() -> tuple[str, bool | None]:
     """(commit, dirty): INFOSIEVE_COMMIT / INFOSIEVE_DIRTY when set (gpu_check.sh sets them from the caller, who knows
-    the commit: the device copy of the tree may carry a stale .git, which named the session's starting commit in the
-    H200 runs of fc982c1 and 71b264b), else git. ("unknown", None) when nobody knows."""
+    the commit: the device copy of the tree may carry a stale .git that names an older commit), else git.
+    ("unknown", None) when nobody knows."""
     if os.environ.get("INFOSIEVE_COMMIT"):
         return os.environ["INFOSIEVE_COMMIT"], {"0": False, "1": True}.get(os.environ.get("INFOSIEVE_DIRTY", ""))
 

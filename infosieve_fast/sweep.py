@@ -113,10 +113,17 @@ def make_plan(config: str | Path, seeds: list[int], grid: dict[str, list[str]], 
     runs = [{"name": run_name(point, seed), "point": point, "seed": seed} for point in points for seed in seeds]
     names = [r["name"] for r in runs]
     if len(set(names)) < len(names):
-        raise SweepError(f"two grid points give one run folder name ({names}): use values that differ in letters "
-                         "or digits")  # fmt: skip
-    plan = {"config": str(Path(config).resolve()), "sets": list(sets), "grid": grid, "seeds": seeds,
-            "base_config": base.to_dict(), "runs": runs}  # fmt: skip
+        raise SweepError(
+            f"two grid points give one run folder name ({names}): use values that differ in letters or digits"
+        )
+    plan = {
+        "config": str(Path(config).resolve()),
+        "sets": list(sets),
+        "grid": grid,
+        "seeds": seeds,
+        "base_config": base.to_dict(),
+        "runs": runs,
+    }
     for run in runs:
         run_config(plan, run)
     return plan
@@ -262,22 +269,39 @@ def summarise(sweep_dir: str | Path) -> dict:
     for point in [dict(zip(plan["grid"], v, strict=True)) for v in itertools.product(*plan["grid"].values())]:
         runs = [r for r in plan["runs"] if r["point"] == point]
         results = [read_run(run_dir(sweep_dir, r)) for r in runs if is_done(sweep_dir, r)]
-        points.append({
-            "point": point, "label": point_label(point), "planned": len(runs), "finished": len(results),
-            "runs": [r["name"] for r in runs], "missing": [r["name"] for r in runs if not is_done(sweep_dir, r)],
-            **summarise_runs(results),
-        })  # fmt: skip
+        points.append(
+            {
+                "point": point,
+                "label": point_label(point),
+                "planned": len(runs),
+                "finished": len(results),
+                "runs": [r["name"] for r in runs],
+                "missing": [r["name"] for r in runs if not is_done(sweep_dir, r)],
+                **summarise_runs(results),
+            }
+        )
     return {
-        "sweep": str(sweep_dir), "command": plan["command"], "config": plan["config"], "seeds": plan["seeds"],
-        "statistics": "mean, sd, min and max over the seeds' finished runs; sd is the sample standard deviation "
-                      "(n - 1 in the denominator), null for a single run",
+        "sweep": str(sweep_dir),
+        "command": plan["command"],
+        "config": plan["config"],
+        "seeds": plan["seeds"],
+        "statistics": (
+            "mean, sd, min and max over the seeds' finished runs; sd is the sample standard deviation "
+            "(n - 1 in the denominator), null for a single run"
+        ),
         "checkpoint": "last: every number is the last checkpoint's (RUN/metrics.json, clustering.npz, tree.json)",
         "points": points,
-    }  # fmt: skip
+    }
 
 
-CODE_COLUMNS = (("all", "code All", 4), ("old", "code Old", 4), ("new", "code New", 4),
-                ("purity_8", "depth-8 purity", 4), ("nmi_8", "depth-8 NMI", 4), ("mean_length", "mean code length", 1))
+CODE_COLUMNS = (
+    ("all", "code All", 4),
+    ("old", "code Old", 4),
+    ("new", "code New", 4),
+    ("purity_8", "depth-8 purity", 4),
+    ("nmi_8", "depth-8 NMI", 4),
+    ("mean_length", "mean code length", 1),
+)
 
 
 def summary_markdown(summary: dict) -> str:
@@ -286,24 +310,44 @@ def summary_markdown(summary: dict) -> str:
     acc_rows, cost_rows = [], []
     for pt in summary["points"]:
         runs = f"{pt['finished']}/{pt['planned']}"
-        acc_rows.append([pt["label"], runs] + [format_spread(pt["accuracy"][p][part]) for p in protocols
-                                               for part in PARTS])  # fmt: skip
+        acc_rows.append(
+            [pt["label"], runs] + [format_spread(pt["accuracy"][p][part]) for p in protocols for part in PARTS]
+        )
         cost_rows.append(
-            [pt["label"], runs] + [format_spread(pt["codes"].get(key), digits) for key, _, digits in CODE_COLUMNS]
-            + [format_spread(pt["seconds_per_epoch"], 1), format_spread(pt["peak_memory_mib"], 0)
-               + (f" ({pt['peak_memory_kind']})" if pt["peak_memory_kind"] else "")]
-        )  # fmt: skip
+            [pt["label"], runs]
+            + [format_spread(pt["codes"].get(key), digits) for key, _, digits in CODE_COLUMNS]
+            + [
+                format_spread(pt["seconds_per_epoch"], 1),
+                format_spread(pt["peak_memory_mib"], 0)
+                + (f" ({pt['peak_memory_kind']})" if pt["peak_memory_kind"] else ""),
+            ]
+        )
     cost_header = ["grid point", "runs"] + [name for _, name, _ in CODE_COLUMNS] + ["s/epoch", "peak memory (MiB)"]
     missing = [name for pt in summary["points"] for name in pt["missing"]]
-    return "\n".join([
-        f"# Sweep {summary['sweep']}", "", f"`{summary['command']}`", "",
-        f"Seeds {', '.join(map(str, summary['seeds']))}. Each cell: mean ± sd [min, max] over the seeds; sd is the "
-        "sample standard deviation (n − 1 in the denominator). Every number is the last checkpoint's.",
-        *([""] + [f"Not finished yet: {', '.join(missing)} (rerun the command above to continue)."] if missing else []),
-        "", "## All / Old / New on the unlabelled train samples", "", markdown_table(acc_header, acc_rows),
-        "", "## The codes (SS-k-means on the codes; prefixes at depth 8), time per epoch, peak memory", "",
-        markdown_table(cost_header, cost_rows), "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"# Sweep {summary['sweep']}",
+            "",
+            f"`{summary['command']}`",
+            "",
+            f"Seeds {', '.join(map(str, summary['seeds']))}. Each cell: mean ± sd [min, max] over the seeds; sd is the "
+            "sample standard deviation (n − 1 in the denominator). Every number is the last checkpoint's.",
+            *(
+                [""] + [f"Not finished yet: {', '.join(missing)} (rerun the command above to continue)."]
+                if missing
+                else []
+            ),
+            "",
+            "## All / Old / New on the unlabelled train samples",
+            "",
+            markdown_table(acc_header, acc_rows),
+            "",
+            "## The codes (SS-k-means on the codes; prefixes at depth 8), time per epoch, peak memory",
+            "",
+            markdown_table(cost_header, cost_rows),
+            "",
+        ]
+    )
 
 
 def write_summary(sweep_dir: Path) -> dict:
@@ -337,8 +381,11 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         run_sweep(plan, args.out, args.devices)
     except KeyboardInterrupt:
-        print(f"\ninterrupted: finished runs are kept and a half-finished run continues from its last checkpoint; "
-              f"continue with `{sweep_command(plan, Path(args.out))}`", file=sys.stderr)  # fmt: skip
+        print(
+            f"\ninterrupted: finished runs are kept and a half-finished run continues from its last checkpoint; "
+            f"continue with `{sweep_command(plan, Path(args.out))}`",
+            file=sys.stderr,
+        )
         raise SystemExit(130) from None
     return 0
 

@@ -71,10 +71,14 @@ class Recorder:
             self.store, self.decided = self._placement(tokens), True
         if self.store is None:
             return
-        self.batches.append(CachedBatch(
-            tokens.to(self.store, non_blocking=True), batch.targets.to(self.store), batch.labelled.to(self.store),
-            batch.uq.to(self.store),
-        ))  # fmt: skip
+        self.batches.append(
+            CachedBatch(
+                tokens.to(self.store, non_blocking=True),
+                batch.targets.to(self.store),
+                batch.labelled.to(self.store),
+                batch.uq.to(self.store),
+            )
+        )
 
     def finish(self) -> None:
         if self.store is not None:
@@ -88,6 +92,10 @@ class Recorder:
         c.placement[self.split] = "recompute" if where is None else where.type
         if dist.is_main_process():
             place = {"cuda": "on the GPU", "cpu": "in RAM", "recompute": "nowhere: recomputed every pass"}
-            print(f"infosieve: test-view tokens of the {self.split} split ({needed_mb:,.0f} MiB per rank) are kept "
-                  f"{place[c.placement[self.split]]}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"infosieve: test-view tokens of the {self.split} split ({needed_mb:,.0f} MiB per rank) are kept "
+                f"{place[c.placement[self.split]]}",
+                file=sys.stderr,
+                flush=True,
+            )
         return where

@@ -52,12 +52,43 @@ def rank_seed(seed: int) -> int:
 
 def build_optimizer(model: torch.nn.Module, o, device: torch.device) -> torch.optim.Optimizer:
     """SGD or AdamW over the trainable parameters; one fused kernel per step on CUDA (same update, fewer launches),
-    the foreach implementation elsewhere."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    the foreach implementation elsewhere. Each parameter group's `lr_scale` is its share of the scheduled lr."""
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    groups = parameter_groups(model, o.backbone_lr_scale)
+    for group in groups:
+        group["lr"] = o.lr * group["lr_scale"]
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **impl)
-    return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, **impl)
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **impl)
+    return torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay, **impl)
+
+
+def parameter_groups(model: torch.nn.Module, backbone_lr_scale: float) -> list[dict]:
+    """One group of every trainable parameter at scale 1 (the reference, and the layout older checkpoints' optimizer
+    states have); else the trained backbone blocks at `backbone_lr_scale` and the heads at 1."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if backbone_lr_scale == 1.0:
+        return [{"params": trainable, "lr_scale": 1.0}]
+    backbone = {id(p) for p in model.backbone.parameters()}
+    groups = [
+        {"params": [p for p in trainable if id(p) in backbone], "lr_scale": backbone_lr_scale},
+        {"params": [p for p in trainable if id(p) not in backbone], "lr_scale": 1.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """A checkpoint's optimizer state into `optimizer`, whose groups' `lr_scale` (this config's) are kept: checkpoints
+    written before `optim.backbone_lr_scale` existed have none."""
+    scales = [group["lr_scale"] for group in optimizer.param_groups]
+    if len(saved["param_groups"]) != len(scales):
+        raise ConfigError(
+            f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter group(s), this config "
+            f"{len(scales)}: optim.backbone_lr_scale moved to or from 1.0 since the run started. Resume with the "
+            "run's value, or start a new run"
+        )
+    optimizer.load_state_dict(saved)
+    for group, scale in zip(optimizer.param_groups, scales, strict=True):
+        group["lr_scale"] = scale
 
 
 def build_model(cfg: Config, n_old: int, backbone: Backbone | None, pretrained: bool) -> InfoSieve:

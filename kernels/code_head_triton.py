@@ -516,17 +516,52 @@ def _forward(x: Tensor, y: Tensor, age: float, w: Tensor, lw: Tensor):
     part = colmean if final else launch.new_buffer((programs, cfg["block_l"] + 4), dtype=ct, device=x.device)
     age_hi, age_lo, c_hi, c_lo = _scalars(age)
     _fwd_kernel[(programs,)](
-        x, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), w, lw,
-        raw, mask, code, trunc, part, colmean, cc, mc, ln,
-        n, cfg["tiles_per_prog"], age_hi, age_lo, c_hi, c_lo,
-        L=length, BLOCK_N=cfg["block_n"], BLOCK_L=cfg["block_l"], X_CONTIG=_contig(x), Y_CONTIG=_contig(y),
-        FINAL=final, num_warps=cfg["num_warps"],
-    )  # fmt: skip
+        x,
+        y,
+        x.stride(0),
+        x.stride(1),
+        y.stride(0),
+        y.stride(1),
+        w,
+        lw,
+        raw,
+        mask,
+        code,
+        trunc,
+        part,
+        colmean,
+        cc,
+        mc,
+        ln,
+        n,
+        cfg["tiles_per_prog"],
+        age_hi,
+        age_lo,
+        c_hi,
+        c_lo,
+        L=length,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_L=cfg["block_l"],
+        X_CONTIG=_contig(x),
+        Y_CONTIG=_contig(y),
+        FINAL=final,
+        num_warps=cfg["num_warps"],
+    )
     if not final:
         _finalize_kernel[(1,)](
-            part, lw, colmean, cc, mc, ln, n, programs,
-            L=length, BLOCK_L=cfg["block_l"], BLOCK_P=cfg["block_p"], num_warps=4,
-        )  # fmt: skip
+            part,
+            lw,
+            colmean,
+            cc,
+            mc,
+            ln,
+            n,
+            programs,
+            L=length,
+            BLOCK_L=cfg["block_l"],
+            BLOCK_P=cfg["block_p"],
+            num_warps=4,
+        )
     return CodeHead(raw, mask, code, trunc, cc, mc, ln), colmean
 
 
@@ -550,18 +585,29 @@ def _backward(x, y, age, w, lw, colmean, grads, need_dx, need_dy):
         return colmean if g is None else g.reshape(())
 
     gr, gm, gc, gt = (tensor_arg(g) for g in (g_raw, g_mask, g_code, g_trunc))
-    age_hi, age_lo, c_hi, c_lo = _scalars(age)
+    inputs = (x, y, *x.stride(), *y.stride(), w.contiguous(), lw.contiguous(), colmean)
+    grad_args = (*gr[:3], *gm[:3], *gc[:3], *gt[:3], *(scalar_arg(g) for g in (g_cc, g_mc, g_len)))
+    grad_names = ("RAW", "MASK", "CODE", "TRUNC", "CC", "MC", "LEN")  # the kernel's HAS_* flags, in `grads`' order
+    has_grad = {f"HAS_{k}": g is not None for k, g in zip(grad_names, grads, strict=True)}
+    grad_contig = {f"{k}_CONTIG": arg[3] for k, arg in zip(("GR", "GM", "GC", "GT"), (gr, gm, gc, gt), strict=True)}
     _bwd_kernel[(cfg["bwd_programs"],)](
-        x, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1), w.contiguous(), lw.contiguous(), colmean,
-        gr[0], gr[1], gr[2], gm[0], gm[1], gm[2], gc[0], gc[1], gc[2], gt[0], gt[1], gt[2],
-        scalar_arg(g_cc), scalar_arg(g_mc), scalar_arg(g_len), dx, dy,
-        n, age_hi, age_lo, c_hi, c_lo,
-        L=length, BLOCK_N=cfg["block_n"], BLOCK_L=cfg["block_l"],
-        X_CONTIG=_contig(x), Y_CONTIG=_contig(y), GR_CONTIG=gr[3], GM_CONTIG=gm[3], GC_CONTIG=gc[3], GT_CONTIG=gt[3],
-        HAS_RAW=g_raw is not None, HAS_MASK=g_mask is not None, HAS_CODE=g_code is not None,
-        HAS_TRUNC=g_trunc is not None, HAS_CC=g_cc is not None, HAS_MC=g_mc is not None, HAS_LEN=g_len is not None,
-        NEED_DX=need_dx, NEED_DY=need_dy, num_warps=cfg["num_warps"],
-    )  # fmt: skip
+        *inputs,
+        *grad_args,
+        dx,
+        dy,
+        n,
+        *_scalars(age),
+        L=length,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_L=cfg["block_l"],
+        X_CONTIG=_contig(x),
+        Y_CONTIG=_contig(y),
+        NEED_DX=need_dx,
+        NEED_DY=need_dy,
+        num_warps=cfg["num_warps"],
+        **grad_contig,
+        **has_grad,
+    )
     return (dx if need_dx else None), (dy if need_dy else None)
 
 

@@ -534,9 +534,18 @@ def _gram_and_norms(features: Tensor, given_g: Tensor | None, from_g: bool, acc:
         return g, g, n + 1, cfg["g_bm"], cfg["g_bn"]
     sq = launch.new_buffer((n,), acc, features.device)
     _sqnorm_kernel[(triton.cdiv(n, cfg["BM"]),)](
-        features, sq, n, d, features.stride(0), features.stride(1),
-        ACC=_TL_DTYPES[acc], BM=cfg["BM"], BK=cfg["BK"], PREC=DOT_PRECISION, num_warps=4,
-    )  # fmt: skip
+        features,
+        sq,
+        n,
+        d,
+        features.stride(0),
+        features.stride(1),
+        ACC=_TL_DTYPES[acc],
+        BM=cfg["BM"],
+        BK=cfg["BK"],
+        PREC=DOT_PRECISION,
+        num_warps=4,
+    )
     return None, sq, 1, cfg["BM"], cfg["BN"]
 
 
@@ -631,9 +640,8 @@ class _Contrastive(torch.autograd.Function):
                 grad = launch.new_buffer((n, d), features.dtype, dev)
                 bd = cfg["BD"]
                 _bwd_kernel[(triton.cdiv(n, bm), triton.cdiv(d, bd))](
-                    *head, grad, n, d, *xs, grad.stride(0), grad.stride(1), n // 2, SIGMA=False, BD=bd,
-                    num_warps=warps, **consts,
-                )  # fmt: skip
+                    *head, grad, n, d, *xs, *grad.stride(), n // 2, SIGMA=False, BD=bd, num_warps=warps, **consts
+                )
         if to_g:
             return None, None, None, None, None, None, None, m * 0.5
         return grad, None, None, None, None, None, None, None

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from infosieve_fast import cli, run_folder
 from infosieve_fast.best_checkpoint import (
@@ -27,6 +28,7 @@ from infosieve_fast.best_checkpoint import (
 from infosieve_fast.checkpoint import load_checkpoint, read_log
 from infosieve_fast.config import load_config
 from infosieve_fast.data import InMemoryGCD, build_source
+from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.engine import FeatureSet, Trainer
 from infosieve_fast.run_folder import train, trainer_from_run
 from tests.test_engine import smoke_config
@@ -200,6 +202,42 @@ def test_eval_and_report_say_which_checkpoint_they_read(holdout_run, tmp_path, c
     assert page.count("data:image/png;base64,") == 5  # the best's confusion matrix and tree, computed
     assert cli.main(["report", "--run", str(run)]) == 0
     assert f"checkpoint: <b>last, epoch {EPOCHS}</b>" in (run / "report.html").read_text()
+
+
+def test_tree_reads_the_best_into_its_own_file_as_a_folder_whose_last_it_is_would(holdout_run, tmp_path, capsys):
+    run, as_last = tmp_path / "run", tmp_path / "as_last"
+    shutil.copytree(holdout_run, run)
+    as_last.mkdir()
+    shutil.copy(holdout_run / BEST_CHECKPOINT, as_last / "checkpoint.pt")
+    (run / "tree.json").write_text("the last checkpoint's tree")
+    assert cli.main(["tree", "--run", str(run), "--checkpoint", "best"]) == 0
+    said = f"best (labelled_holdout, epoch {read_best(holdout_run)['epoch']})"
+    assert capsys.readouterr().out.startswith(f"checkpoint: {said}\n")
+    assert (run / "tree.json").read_text() == "the last checkpoint's tree"  # not overwritten
+    tree = json.loads((run / "tree-best.json").read_text())
+    assert cli.main(["tree", "--run", str(as_last), "--json", str(tmp_path / "t.json")]) == 0
+    same = json.loads((tmp_path / "t.json").read_text())
+    assert tree.pop("checkpoint") == said and same.pop("checkpoint").startswith("last, epoch")
+    assert tree == same
+
+
+def test_predict_with_the_best_assigns_to_its_weights_clustering(holdout_run, tmp_path, capsys):
+    cfg = load_config(holdout_run / "config.yaml")
+    images = build_source(cfg.data, cfg.train).images[:24]
+    (tmp_path / "images").mkdir()
+    for i, image in enumerate(images):
+        Image.fromarray(image[0].numpy()).save(tmp_path / "images" / f"{i:02d}.png")
+    out = tmp_path / "pred.jsonl"
+    assert cli.main(["predict", "--run", str(holdout_run), "--images", str(tmp_path / "images"), "--out", str(out),
+                     "--device", "cpu", "--checkpoint", "best"]) == 0  # fmt: skip
+    assert f"checkpoint: best (labelled_holdout, epoch {read_best(holdout_run)['epoch']})" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    best = trainer_from_run(holdout_run, "best")  # independently: its weights, its train clustering, nearest centre
+    centers = best.evaluate_full().clustering.centers
+    aug = DeviceAugment(AugmentConfig(cfg.data.crop_size, False, tuple(cfg.data.mean), tuple(cfg.data.std)))
+    with torch.no_grad():
+        feats = best.model.eval().features(aug.test_view(images))
+    assert [r["cluster"] for r in records] == torch.cdist(feats, centers).argmin(1).tolist()
 
 
 def test_misuse_is_refused_with_the_way_out(holdout_run, tmp_path, capsys):

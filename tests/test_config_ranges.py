@@ -61,6 +61,7 @@ CASES = {
     "optim.momentum": (1.0, 0.5),
     "optim.weight_decay": (-1e-4, 0.0),
     "optim.min_lr_ratio": (1.5, 0.0),
+    "optim.backbone_lr_scale": (1.5, 0.1),
     "schedule.epochs": (0, 100),
     "schedule.age_max": (0.0, 10.0),
     "schedule.base_start": (1.0, 3.0),  # the base falls by up to 1: at 1 it would reach 0

@@ -13,9 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from infosieve_fast.data import stream
+from infosieve_fast.data import stream, workers
 from infosieve_fast.data.shards import make_shards
-from infosieve_fast.data.stream import ShardSource, worker_start_method
+from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.data.workers import worker_start_method
 
 
 @pytest.mark.parametrize(
@@ -56,8 +57,8 @@ def test_forkserver_workers_serve_the_same_batches(shards, monkeypatch):
         return out + [t for b in src.train_batches(4, epoch=1, seed=0) for t in (b.uq, b.images)]
 
     forked = passes()
-    used, context = [], stream._worker_context
-    monkeypatch.setattr(stream, "_worker_context", lambda: used.append(context()) or used[-1])
+    used, context = [], workers.worker_context
+    monkeypatch.setattr(stream, "worker_context", lambda preload: used.append(context(preload)) or used[-1])
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     served = passes()
     assert [c.get_start_method() for c in used] == ["forkserver", "forkserver"]
@@ -75,4 +76,4 @@ def test_the_forkserver_preloads_what_the_main_script_imports(monkeypatch):
     main.local = local
     main.ghost = type("Ghost", (), {"__module__": "no_such_module_here"})  # never imported: left out
     monkeypatch.setitem(sys.modules, "__main__", main)
-    assert stream._main_script_imports() == ["json", "pathlib"]
+    assert workers.main_script_imports() == ["json", "pathlib"]

@@ -71,8 +71,9 @@ def test_json_keys_name_their_units_and_overrides_correct_them():
     assert cdn.key_unit("fastest_step_mfu", "x.json") == "fraction"
     assert cdn.key_unit("loadavg_at_start", "x.json") is None
     assert cdn.key_unit("n_iter", "x.json") is None
-    # bench_scale.py stores /proc's kB / 1024 under *_mb: MiB in its result file, MB elsewhere
-    assert cdn.key_unit("rss_mb", "scale_cpu.json") == "MiB"
+    # bench_stream.py stores /proc's kB / 1024 under *_mb: MiB in its result file, MB elsewhere
+    assert cdn.key_unit("rss_mb", "stream_cpu.json") == "MiB"
+    assert cdn.key_unit("mb", "decode_cpu.json") == "MiB"  # its shards' size: bytes / 2**20
     assert cdn.key_unit("rss_mb", "other.json") == "MB"
 
 

@@ -97,8 +97,15 @@ PLAN = [
         "parse",
         "needs the dataset and the DINO (or DINOv2) weights; tests/test_sweep.py runs sweeps on the digits",
     ),  # fmt: skip
+    Entry(r"python -m benchmarks\.cub_subset( --[\w-]+ \S+)+", "run"),
     Entry(
-        r"infosieve sweep --config configs/cub100-tree\.yaml .*",
+        r"infosieve make-shards --dataset cubfiles --root runs/\S+ .*",
+        "parse",
+        "reads the folder the command above it writes (tests/test_cub_subset.py reads such a folder as cubfiles, and "
+        "benchmarks/bench_tree.py makes the same shards from it)",
+    ),  # fmt: skip
+    Entry(
+        r"infosieve sweep --config configs/cub100-(tree|heldout)\.yaml .*",
         "parse",
         "hours on 2 CPU cores (tests/test_sweep.py runs sweeps on the digits; bench_tree.py trains this config)",
     ),  # fmt: skip

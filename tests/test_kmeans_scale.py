@@ -1,5 +1,6 @@
 """Semi-supervised k-means at scale: no allocation grows with N x K or N x D beyond the row-chunk budget, k-means++
-batching across restarts does not change the seeds, and the benchmark's ``time_round`` measures the library call."""
+batching across restarts does not change the seeds, and the benchmark's ``time_round`` and ``--scale cpu200k`` round
+measure the library call."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import infosieve_fast.kmeans as km
+from benchmarks import bench_kmeans
 from benchmarks.bench_kmeans import scale_features, time_round
 from infosieve_fast.kmeans import semi_supervised_kmeans
 
@@ -71,3 +73,18 @@ def test_time_round_measures_the_library_call():
     )  # fmt: skip
     assert (rec["inertia"], rec["n_iter"], rec["rechecked_rows"]) == (ref.inertia, ref.n_iter, ref.rechecked_rows)
     assert rec["seconds"] > 0 and rec["peak_bytes_beyond_features"] >= 0
+
+
+def test_the_cpu200k_round_reports_its_seconds_and_peak_memory(tmp_path):
+    """docs/scale.md's k-means round (`--scale cpu200k --n-init 1`: balanced reference, fp32 search), at a tiny
+    --shape: one run, the library's clustering, its seconds and memory in the JSON file."""
+    argv = ["--scale", "cpu200k", "--shape", "2000,16,20", "--n-init", "1", "--max-iter", "3",
+            "--json", str(tmp_path / "km.json")]  # fmt: skip
+    (run,) = bench_kmeans.main(argv)["runs"]
+    assert (run["n_init"], run["k"], run["max_iter"], run["d"]) == (1, 20, 3, 16)
+    assert (run["balanced"], run["balance"], run["distance_precision"]) == (True, "reference", "fp32")
+    u, l, t = scale_features(2000, 16, 20, "cpu", torch.float16)  # the same synthetic features (same seed)
+    ref = semi_supervised_kmeans(u, l, t, 20, n_init=1, max_iter=3, balanced=True, balance="reference")
+    assert (run["inertia"], run["n_iter"]) == (ref.inertia, ref.n_iter)
+    assert run["seconds"] > 0 and run["peak_bytes_beyond_features"] >= 0
+    assert json.loads((tmp_path / "km.json").read_text())["runs"] == [json.loads(json.dumps(run))]

@@ -85,22 +85,29 @@ def independent_spread(values):
 
 
 def test_the_summary_is_the_runs_statistics(whole):
-    plan = json.loads((whole / "sweep.json").read_text())
-    summary = json.loads((whole / "summary.json").read_text())
-    markdown = (whole / "summary.md").read_text()
-    assert "sample standard deviation (n − 1 in the denominator)" in markdown
+    summary = check_summary_is_the_runs_statistics(whole, seeds=2)
     assert [p["label"] for p in summary["points"]] == ["loss.label_smoothing=0.1", "loss.label_smoothing=0.5"]
+
+
+def check_summary_is_the_runs_statistics(sweep_dir: Path, seeds: int) -> dict:
+    """summary.json and summary.md of a finished sweep against statistics computed here from each run's own files
+    (metrics.json, clustering.npz, tree.json, log.jsonl); returns the summary."""
+    plan = json.loads((sweep_dir / "sweep.json").read_text())
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    markdown = (sweep_dir / "summary.md").read_text()
+    assert "sample standard deviation (n − 1 in the denominator)" in markdown
     for point in summary["points"]:
-        runs = [whole / "runs" / r["name"] for r in plan["runs"] if r["point"] == point["point"]]
-        assert len(runs) == 2 and point["finished"] == point["planned"] == 2 and point["missing"] == []
+        runs = [sweep_dir / "runs" / r["name"] for r in plan["runs"] if r["point"] == point["point"]]
+        assert len(runs) == seeds and point["finished"] == point["planned"] == seeds and point["missing"] == []
         metrics = [json.loads((r / "metrics.json").read_text()) for r in runs]
         assert {m["protocol"] for m in metrics} == {"v2"}
         for part in ("all", "old", "new"):  # v2: the runs' metrics.json, by the statistics module
             mean, sd, low, high = independent_spread([m["after"][part] for m in metrics])
             s = point["accuracy"]["v2"][part]
-            assert (s["mean"], s["sd"], s["min"], s["max"], s["n"]) == pytest.approx((mean, sd, low, high, 2))
+            assert (s["mean"], s["sd"], s["min"], s["max"], s["n"]) == pytest.approx((mean, sd, low, high, seeds))
             if part == "all":
-                assert f"| {point['label']} | 2/2 | {mean:.4f} ± {sd:.4f} [{low:.4f}, {high:.4f}] |" in markdown
+                cell = f"{mean:.4f} ± {sd:.4f} [{low:.4f}, {high:.4f}]"
+                assert f"| {point['label']} | {seeds}/{seeds} | {cell} |" in markdown
         for protocol in ("v1", "v2b"):  # the same final clustering under the other protocols
             scores = []
             for r in runs:
@@ -121,6 +128,7 @@ def test_the_summary_is_the_runs_statistics(whole):
         peaks = [max(rec["peak_rss_bytes"] for rec in log) / 2**20 for log in logs]
         assert point["peak_memory_mib"]["max"] == pytest.approx(max(peaks))
         assert point["peak_memory_kind"] == "host peak resident set"
+    return summary
 
 
 def test_every_run_is_an_ordinary_run_folder(whole, capsys):

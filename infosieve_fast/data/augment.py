@@ -90,8 +90,9 @@ class DeviceAugment:
             return self._views_loop(images, 1, top.tolist(), left.tolist(), [False] * b, normalise=True)
         if sizes is None:  # one slice of the whole batch
             a, bias = self._scale_bias(images.device, True)
-            return torch.addcmul(bias, images[..., (h - c) // 2 : (h - c) // 2 + c, (w - c) // 2 : (w - c) // 2 + c]
-                                 .float(), a)  # fmt: skip
+            return torch.addcmul(
+                bias, images[..., (h - c) // 2 : (h - c) // 2 + c, (w - c) // 2 : (w - c) // 2 + c].float(), a
+            )
         return self._gather(images, b, top, left, None, normalise=True)
 
     def train_views(

@@ -97,11 +97,15 @@ class DecodedCache:
         return pad_into(images, out)[0], sizes.to(dev)
 
     def serve(
-        self, uq_batches: Iterable[Tensor], row_of_uq: np.ndarray, cls: np.ndarray, labelled: np.ndarray,
+        self,
+        uq_batches: Iterable[Tensor],
+        row_of_uq: np.ndarray,
+        cls: np.ndarray,
+        labelled: np.ndarray,
         device: torch.device,
-    ) -> Iterator[Batch]:  # fmt: skip
+    ) -> Iterator[Batch]:
         """Batches of the given uq, moved to `device`. In RAM the next batch is gathered in a background thread while
-        the caller works on the current one (the gather is ~10% of an in-memory training step on the CPU)."""
+        the caller works on the current one (the gather is a visible share of an in-memory training step)."""
         dev = self.flat.device
 
         def batch(uq: Tensor) -> Batch:

@@ -80,8 +80,9 @@ def read_dataset(dataset: str, root: str | Path, known_classes: list[int] | None
     if not root.is_dir():
         raise LayoutError(f"--root {root} is not a folder")
     if name == DISCOVERY and known_classes is not None:
-        raise LayoutError("--dataset discovery takes the known classes from the folders under labelled/: drop "
-                          "--known-classes")
+        raise LayoutError(
+            "--dataset discovery takes the known classes from the folders under labelled/: drop --known-classes"
+        )
     raw = _READERS[name](root)
     if name in GENERIC:
         n = len(raw.class_names)
@@ -154,14 +155,21 @@ def _cifar(root: Path, dataset: str) -> RawDataset:
 
     train, train_labels, train_names = load(train_files)
     test, test_labels, test_names = load(test_files)
-    class_names = [
-        n.decode() if isinstance(n, bytes) else n for n in _unpickle(need(folder / meta, "meta"))[names_key]
-    ]
+    class_names = [n.decode() if isinstance(n, bytes) else n for n in _unpickle(need(folder / meta, "meta"))[names_key]]
     split = class_split(dataset)
     return RawDataset(
-        dataset, root, class_names, list(split.known), list(split.novel), train, train_labels, train_names,
-        test, test_labels, test_names,
-    )  # fmt: skip
+        dataset,
+        root,
+        class_names,
+        list(split.known),
+        list(split.novel),
+        train,
+        train_labels,
+        train_names,
+        test,
+        test_labels,
+        test_names,
+    )
 
 
 # ---- ImageNet (ILSVRC-2012 folders): ImageNet-100 and ImageNet-1k ---------------------------------------------
@@ -269,9 +277,16 @@ def _cubfiles(root: Path) -> RawDataset:
     folder, _, rel, cls, names, _ = _cub_tables(root)
     img_dir = need(folder / "images", "images folder")
     return RawDataset(
-        "cubfiles", root, names, [], [], [str(img_dir / p) for p in rel], np.asarray(cls, np.int64), rel,
+        "cubfiles",
+        root,
+        names,
+        [],
+        [],
+        [str(img_dir / p) for p in rel],
+        np.asarray(cls, np.int64),
+        rel,
         notes=["cubfiles: every image is a train image (train_test_split.txt, if any, is not used); no test split"],
-    )  # fmt: skip
+    )
 
 
 # ---- Stanford Cars ---------------------------------------------------------------------------------------------
@@ -324,9 +339,18 @@ def _scars(root: Path) -> RawDataset:
         if "class_names" in m:
             names = [str(np.asarray(x).reshape(-1)[0]) for x in m["class_names"].reshape(-1)]
     return RawDataset(
-        "scars", root, names, list(split.known), list(split.novel), train, train_labels.astype(np.int64), train_names,
-        test, test_labels.astype(np.int64), test_names,
-    )  # fmt: skip
+        "scars",
+        root,
+        names,
+        list(split.known),
+        list(split.novel),
+        train,
+        train_labels.astype(np.int64),
+        train_names,
+        test,
+        test_labels.astype(np.int64),
+        test_names,
+    )
 
 
 # ---- FGVC-Aircraft ---------------------------------------------------------------------------------------------

@@ -66,9 +66,14 @@ class InMemoryGCD:
     def to(self, device: torch.device | str) -> InMemoryGCD:
         """The same set held on `device` (on a GPU its batches are then gathered there: no copy per step)."""
         return InMemoryGCD(
-            self.images.to(device), self.targets.to(device), self.labelled.to(device), self.n_old,
-            self.labelled_share, self._rank, self._world_size,
-        )  # fmt: skip
+            self.images.to(device),
+            self.targets.to(device),
+            self.labelled.to(device),
+            self.n_old,
+            self.labelled_share,
+            self._rank,
+            self._world_size,
+        )
 
     def feature_batches(self, batch_size: int) -> Iterator[Batch]:
         """This rank's contiguous share of the train set once, in uq order (all of it with one process)."""
@@ -97,9 +102,14 @@ class InMemoryGCD:
         if not 0 < n <= self.n_train:
             raise ValueError(f"subset size must be in 1..{self.n_train}, got {n}")
         return InMemoryGCD(
-            self.images[:n], self.targets[:n], self.labelled[:n], self.n_old, self.labelled_share,
-            self._rank, self._world_size,
-        )  # fmt: skip
+            self.images[:n],
+            self.targets[:n],
+            self.labelled[:n],
+            self.n_old,
+            self.labelled_share,
+            self._rank,
+            self._world_size,
+        )
 
 
 def digits(

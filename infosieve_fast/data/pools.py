@@ -19,7 +19,7 @@ def cpu_threads(n: int) -> ThreadPoolExecutor | None:
 
     Splitting the views over threads instead of running every per-view op on torch's intra-op (OpenMP) team: one
     fork-join per op is fine on an idle machine but collapses when another process holds a core (each of the ~770
-    parallel regions per batch then waits for a descheduled team member: measured 80 ms -> 6 s on this 2-core box);
+    parallel regions per batch then waits for a descheduled team member);
     independent threads degrade gracefully. The threads' own OpenMP team size is set to 1 once, at start (torch reads
     its global setting lazily per thread: set it to 1, make the thread read it, then restore the caller's value).
     None if the threads cannot be started (the caller then works alone).
@@ -53,11 +53,11 @@ def cpu_threads(n: int) -> ThreadPoolExecutor | None:
 class BufferPool:
     """Reusable CPU tensors for large per-batch outputs (views, gathered batches).
 
-    A fresh 150 MB float tensor costs more than filling it (the kernel maps and zeroes every page: ~35 ms of a ~70 ms
-    augmentation on this 2-core CPU). The pool keeps up to `size` buffers and hands one out again only when nothing but
-    the pool refers to its storage (no tensor, view, slice or numpy array made from an earlier result is alive), so a
-    caller never sees a result it still holds overwritten. With `size=2` the usual loop (`x = f(...)` while the
-    previous `x` is still bound) reuses its buffers; a caller that keeps many results just gets fresh ones.
+    A fresh large tensor costs more than filling it (the kernel maps and zeroes every page). The pool keeps up to
+    `size` buffers and hands one out again only when nothing but the pool refers to its storage (no tensor, view,
+    slice or numpy array made from an earlier result is alive), so a caller never sees a result it still holds
+    overwritten. With `size=2` the usual loop (`x = f(...)` while the previous `x` is still bound) reuses its buffers;
+    a caller that keeps many results just gets fresh ones.
     """
 
     def __init__(self, size: int = 2):

@@ -68,14 +68,20 @@ def _download(url: str, out: BinaryIO, bar: tqdm) -> None:
             bar.total = int(expected) if expected else None
             received = _copy(response, out, bar)
     except urllib.error.HTTPError as err:
-        raise FileNotFoundError(f"data.shards {url}: the server answered HTTP {err.code} ({err.reason}): check the "
-                                "URL, or download the shards and set data.shards to their folder") from err
+        raise FileNotFoundError(
+            f"data.shards {url}: the server answered HTTP {err.code} ({err.reason}): check the "
+            "URL, or download the shards and set data.shards to their folder"
+        ) from err
     except (urllib.error.URLError, OSError) as err:
-        raise ConnectionError(f"data.shards {url}: the download failed ({err}): check the URL and the network, or "
-                              "download the shards and set data.shards to their folder") from err
+        raise ConnectionError(
+            f"data.shards {url}: the download failed ({err}): check the URL and the network, or "
+            "download the shards and set data.shards to their folder"
+        ) from err
     if expected is not None and received != int(expected):
-        raise ConnectionError(f"data.shards {url}: the download stopped after {received:,} of {int(expected):,} "
-                              "bytes: run again to fetch it again")
+        raise ConnectionError(
+            f"data.shards {url}: the download stopped after {received:,} of {int(expected):,} "
+            "bytes: run again to fetch it again"
+        )
 
 
 def _run_pipe(url: str, out: BinaryIO, bar: tqdm) -> None:
@@ -84,9 +90,11 @@ def _run_pipe(url: str, out: BinaryIO, bar: tqdm) -> None:
         _copy(proc.stdout, out, bar)
         error = proc.stderr.read().decode(errors="replace").strip()
     if proc.returncode != 0:
-        raise RuntimeError(f"data.shards {url}: the command exited with status {proc.returncode}"
-                           f"{': ' + error.splitlines()[-1] if error else ''}: fix the command, or fetch the shards "
-                           "yourself and set data.shards to their folder")
+        raise RuntimeError(
+            f"data.shards {url}: the command exited with status {proc.returncode}"
+            f"{': ' + error.splitlines()[-1] if error else ''}: fix the command, or fetch the shards "
+            "yourself and set data.shards to their folder"
+        )
 
 
 def _copy(source: BinaryIO, out: BinaryIO, bar: tqdm) -> int:
@@ -96,4 +104,3 @@ def _copy(source: BinaryIO, out: BinaryIO, bar: tqdm) -> int:
         received += len(chunk)
         bar.update(len(chunk))
     return received
-

@@ -36,12 +36,21 @@ def settings_fingerprint(
     """The settings a folder's shards are made with; a folder made with other settings is refused."""
     fmt, quality = codec
     fingerprint = {
-        "format": FORMAT, "dataset": raw.dataset, "resize": resize, "image_format": fmt,
+        "format": FORMAT,
+        "dataset": raw.dataset,
+        "resize": resize,
+        "image_format": fmt,
         "jpeg_quality": quality if fmt == "jpg" else None,
         "png_compress_level": PNG_COMPRESS_LEVEL if fmt == "png" else None,
-        "shard_size_mb": shard_size_mb, "known": raw.known, "novel": raw.novel, "n_train": len(raw.train),
-        "n_test": len(raw.test), "prop": PROP, "split_seed": SPLIT_SEED, "order_seed": ORDER_SEED,
-    }  # fmt: skip
+        "shard_size_mb": shard_size_mb,
+        "known": raw.known,
+        "novel": raw.novel,
+        "n_train": len(raw.train),
+        "n_test": len(raw.test),
+        "prop": PROP,
+        "split_seed": SPLIT_SEED,
+        "order_seed": ORDER_SEED,
+    }
     if raw.dataset == DISCOVERY:  # only there: the other datasets' folders written before keep their fingerprint
         fingerprint.update(holdout=holdout, holdout_seed=holdout_seed)
     return fingerprint

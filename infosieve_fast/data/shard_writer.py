@@ -57,9 +57,13 @@ def plans(raw: RawDataset, holdout: float, holdout_seed: int) -> tuple[Plan, Pla
     n = len(raw.train)
     write_order = np.random.RandomState(ORDER_SEED).permutation(n)
     train = Plan(
-        "train", [raw.train[i] for i in write_order], [raw.train_names[i] for i in write_order],
-        targets[write_order], write_order, labelled[write_order],
-    )  # fmt: skip
+        "train",
+        [raw.train[i] for i in write_order],
+        [raw.train_names[i] for i in write_order],
+        targets[write_order],
+        write_order,
+        labelled[write_order],
+    )
     nt = len(raw.test)
     test = Plan("test", raw.test, raw.test_names, test_targets, np.arange(nt), np.zeros(nt, bool))
     return train, test, counts

@@ -3,8 +3,8 @@
 Every image is decoded once, converted to RGB, resized so its shorter side is `resize` (bicubic with antialiasing,
 the long side `int(resize * long / short)`, exactly torchvision's `Resize(256, interpolation=3)` on a PIL image) and
 stored as a JPEG (`--image-format jpg`, the default: quality 95, lossy, small and fast to decode) or as a PNG
-(`--image-format png`: lossless, the decoded image equals the resized source exactly; about 4x the bytes and 5x the
-decode time). Each sample holds `jpg` or `png`, `cls` (target, known classes first), `uq` (the sample's index
+(`--image-format png`: lossless, the decoded image equals the resized source exactly; several times the bytes and
+the decode time). Each sample holds `jpg` or `png`, `cls` (target, known classes first), `uq` (the sample's index
 in the dataset's native train order = the reference's `uq_idx`; the test index for test samples) and `lab` (1 when
 its label may be used). Your own images (`--dataset discovery`) have no test split; their unlabelled pool has `cls`
 -1 (`metrics.NO_LABEL`: no label at all), and `--holdout SHARE` serves a share of the labelled images with `lab` 0.

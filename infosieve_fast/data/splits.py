@@ -91,9 +91,14 @@ def discovery_split(labels: Sequence[int] | np.ndarray, holdout: float = 0.0, se
 def discovery_counts(labels: np.ndarray, held: np.ndarray) -> dict[str, int]:
     """Counts of a discovery train set: labelled (used as such), held out, unlabelled (the pool), classes."""
     pool = np.asarray(labels) == NO_LABEL
-    return {"train": int(len(labels)), "labelled": int((~pool & ~held).sum()), "held_out": int(held.sum()),
-            "unlabelled": int(pool.sum()), "known_classes_present": int(len(np.unique(labels[~pool]))),
-            "test": 0}  # fmt: skip
+    return {
+        "train": int(len(labels)),
+        "labelled": int((~pool & ~held).sum()),
+        "held_out": int(held.sum()),
+        "unlabelled": int(pool.sum()),
+        "known_classes_present": int(len(np.unique(labels[~pool]))),
+        "test": 0,
+    }
 
 
 def split_counts(labelled: np.ndarray, targets: np.ndarray, n_old: int, n_test: int | None = None) -> dict[str, int]:
@@ -112,7 +117,6 @@ def split_counts(labelled: np.ndarray, targets: np.ndarray, n_old: int, n_test: 
     if n_test is not None:
         out["test"] = int(n_test)
     return out
-
 
 
 def _class_table(name: str) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ Where the decoding happens:
   only its share, then the ranks exchange them) and every later pass serves crops from it without any CPU decoding
   (`cache.DecodedCache`).
 `decode_counts` keeps how many images were decoded where. The DataLoader workers are forked, or started from a
-forkserver once CUDA is initialised (`worker_start_method`).
+forkserver once CUDA is initialised (`workers.py`).
 
 Unreadable samples (a damaged shard, a header or an image that does not decode) are skipped and counted, never fatal:
 `unreadable()` lists them, the trainer leaves them out of the clustering and the metrics, `exclude` keeps them out of
@@ -39,9 +39,7 @@ ones before it) so that they run over 0..n_train-1.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,6 +59,7 @@ from .layout_discovery import DISCOVERY
 from .sampler import sample_epoch
 from .shard_manifest import shard_file_problems
 from .tar import ShardIndex, open_mmap
+from .workers import worker_context
 
 CACHE_MODES = ("auto", "gpu", "cpu", "off")
 DECODE_MODES = ("auto", "cpu", "gpu")
@@ -83,44 +82,6 @@ def decode_image(data) -> Tensor:
 
     buf = data if isinstance(data, Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return decode_webp(buf, mode=ImageReadMode.RGB)
-
-
-def worker_start_method(cuda_initialised: bool) -> str | None:
-    """How a pass starts its DataLoader workers (None: the platform's default).
-
-    Each pass starts its own workers, so they must start fast: forked ones start in milliseconds, spawned ones
-    re-import torch (seconds per pass). But a fork copies the whole parent, and once CUDA is initialised the parent
-    holds the driver's threads and state: a forked child must never touch CUDA (torch refuses: "Cannot re-initialize
-    CUDA in forked subprocess"), and a lock that one of those threads held at the fork stays locked in the child. So
-    after CUDA is initialised the workers come from a forkserver instead: a fresh single-threaded process that never
-    initialises CUDA, with this module (torch with it) and the main script's imports imported once (`_worker_context`),
-    so its forks still start fast.
-    """
-    methods = multiprocessing.get_all_start_methods()
-    if not cuda_initialised and "fork" in methods:
-        return "fork"
-    return "forkserver" if "forkserver" in methods else None
-
-
-def _worker_context() -> multiprocessing.context.BaseContext | None:
-    """The multiprocessing context of this pass's DataLoader workers (`worker_start_method`)."""
-    method = worker_start_method(torch.cuda.is_initialized())
-    if method == "forkserver":  # the server imports these once, when it starts (the first pass after CUDA's start)
-        multiprocessing.set_forkserver_preload([__name__, *_main_script_imports()])
-    return multiprocessing.get_context(method) if method else None
-
-
-def _main_script_imports() -> list[str]:
-    """The modules the main script's names come from. Every worker started from a forkserver runs the main script
-    again (multiprocessing does, so that what it defines can be unpickled; the forkserver's own preload of "__main__"
-    never takes effect: CPython hands it the script's path under a key it does not read). With these imported by the
-    server, that rerun takes milliseconds instead of seconds (measured: 0.15 s instead of 2.4 s per pass)."""
-    names = set()
-    for value in vars(sys.modules["__main__"]).values():
-        module = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
-        if isinstance(module, str) and module in sys.modules and module not in ("__main__", "__mp_main__"):
-            names.add(module)  # imported here, so importable there
-    return sorted(names)
 
 
 def _report(msg: str) -> None:
@@ -148,8 +109,9 @@ class _Reader(Dataset):
     failed)` with the images' encoded bytes concatenated, for decoding on the GPU. `failed`: uq of the rows that did
     not read or decode (left out of the batch)."""
 
-    def __init__(self, urls: list[str], index: ShardIndex, uq: np.ndarray, decode: bool, max_aspect: float | None,
-                 hw: np.ndarray):  # fmt: skip
+    def __init__(
+        self, urls: list[str], index: ShardIndex, uq: np.ndarray, decode: bool, max_aspect: float | None, hw: np.ndarray
+    ):
         self.urls, self.index, self.uq, self.decode, self.max_aspect = urls, index, uq, decode, max_aspect
         self.hw = hw  # per row: the size it is served at before the aspect cap (`load_hw`)
         self._mmaps: dict[int, object] = {}
@@ -330,11 +292,17 @@ class ShardSource:
         if workers <= 0:
             parts_iter: Iterator[tuple] = (reader.__getitems__(rows) for rows in batches)
         else:
-            parts_iter = iter(DataLoader(
-                reader, batch_sampler=[rows.tolist() for rows in batches], num_workers=workers,
-                collate_fn=_as_is, pin_memory=self.device.type == "cuda", prefetch_factor=2,
-                multiprocessing_context=_worker_context(),
-            ))  # fmt: skip
+            parts_iter = iter(
+                DataLoader(
+                    reader,
+                    batch_sampler=[rows.tolist() for rows in batches],
+                    num_workers=workers,
+                    collate_fn=_as_is,
+                    pin_memory=self.device.type == "cuda",
+                    prefetch_factor=2,
+                    multiprocessing_context=worker_context(preload=__name__),
+                )
+            )
         for parts in parts_iter:
             images, sizes, cls, uq, lab, failed = parts
             self._unreadable.update(failed.tolist())
@@ -368,8 +336,9 @@ class ShardSource:
     def _decode_on_device(self, encoded: list[Tensor]) -> list[Tensor | None]:
         """`decode_gpu` of the JPEGs and PNGs; WebPs (which nvJPEG does not read) decoded on the CPU and moved."""
         webp = [_is_webp(e) for e in encoded]
-        rest = iter(decode_gpu([e for e, w in zip(encoded, webp, strict=True) if not w], self.device,
-                               self.decode_counts))  # fmt: skip
+        rest = iter(
+            decode_gpu([e for e, w in zip(encoded, webp, strict=True) if not w], self.device, self.decode_counts)
+        )
         out: list[Tensor | None] = []
         for e, w in zip(encoded, webp, strict=True):
             if not w:
@@ -448,8 +417,11 @@ class ShardSource:
         row = int(self.row_of_uq[uq])
         if row < 0:
             return {"uq": uq, "shard": None, "problem": "in no readable shard (see the warnings)"}
-        return {"uq": uq, "shard": self.records[int(self.index.shard[row])]["name"],
-                "offset": int(self.index.offset[row])}  # fmt: skip
+        return {
+            "uq": uq,
+            "shard": self.records[int(self.index.shard[row])]["name"],
+            "offset": int(self.index.offset[row]),
+        }
 
     def test_batches(self, batch_size: int) -> Iterator[Batch]:
         """The test split, every sample once across ranks (this rank's share), in a fixed order."""
@@ -458,11 +430,20 @@ class ShardSource:
             return
         if self._test is None:
             self._test = ShardSource(
-                self.dir, split="test", memory_threshold_mb=self.memory_threshold_mb, rank=self.rank,
-                world_size=self.world_size, num_workers=self.num_workers, seed=self.seed, device=self.device,
-                gpu_cache_share=self.gpu_cache_share, decode="gpu" if self.gpu_decode else "cpu",
-                max_aspect=self.max_aspect, resize=self.size, intake=self.intake,
-            )  # fmt: skip
+                self.dir,
+                split="test",
+                memory_threshold_mb=self.memory_threshold_mb,
+                rank=self.rank,
+                world_size=self.world_size,
+                num_workers=self.num_workers,
+                seed=self.seed,
+                device=self.device,
+                gpu_cache_share=self.gpu_cache_share,
+                decode="gpu" if self.gpu_decode else "cpu",
+                max_aspect=self.max_aspect,
+                resize=self.size,
+                intake=self.intake,
+            )
         yield from self._test.test_batches(batch_size)
 
     # ---- decoded cache ------------------------------------------------------------------------------------------

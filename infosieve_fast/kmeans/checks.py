@@ -109,7 +109,7 @@ def _compute_dtype(unlabelled: torch.Tensor, labelled: torch.Tensor, precision: 
 def _pick_backend(backend: str, cuda: bool, distance_precision: str) -> str:
     """``"auto"``: FAISS only where it is faster than the torch GEMMs, i.e. a GPU FAISS (``faiss.get_num_gpus() > 0``)
     with the data on CUDA (and the exact fp32 search, the only one FAISS does); torch otherwise (on the CPU the chunked
-    GEMM measured about 2x faster than FAISS's flat index, and FAISS's OpenMP runtime slowed later torch work)."""
+    GEMM beats FAISS's flat index, and FAISS's OpenMP runtime slows later torch work: see docs/kmeans.md)."""
     if backend != "auto":
         return backend
     return "faiss" if cuda and distance_precision == "fp32" and faiss_available(gpu=True) else "torch"
