@@ -235,47 +235,43 @@ def train_epochs(
 ) -> bool:
     """The epochs from `start` on, each logged, checkpointed and judged by `best`; False when `stop_after` ended the run
     early. However they end, the last checkpoint is durable when this returns (or raises)."""
+    board = tensorboard_writer(run_dir, start) if trainer.cfg.train.tensorboard and dist.is_main_process() else None
     try:
-        return _train_epochs(trainer, run_dir, start, before, stop_after, best)
+        for epoch in range(start, trainer.cfg.schedule.epochs):
+            train_and_record_epoch(trainer, run_dir, epoch, before, best, board)
+            if stop_after is not None and stop_after(epoch):
+                ckpt.wait_for_checkpoint()
+                dist.barrier()  # a rank that goes on to resume must find the checkpoint rank 0 was still writing
+                return False
+        return True
     finally:
         ckpt.wait_for_checkpoint()
 
 
-def _train_epochs(
-    trainer: Trainer,
-    run_dir: Path,
-    start: int,
-    before: dict,
-    stop_after: Callable[[int], bool] | None,
-    best: BestCheckpoint,
-) -> bool:
+def train_and_record_epoch(
+    trainer: Trainer, run_dir: Path, epoch: int, before: dict, best: BestCheckpoint, board: object | None
+) -> None:
+    """One epoch: trained, judged by `best`, evaluated when `train.eval_every` says so, then logged and checkpointed
+    by rank 0 (and written to TensorBoard's `board`)."""
     cfg = trainer.cfg
-    main = dist.is_main_process()
-    board = tensorboard_writer(run_dir, start) if cfg.train.tensorboard and main else None
-    for epoch in range(start, cfg.schedule.epochs):
-        per_epoch_peak = reset_peak_memory(trainer.device)
-        with best.training(trainer):
-            record = trainer.train_epoch(epoch)
-        best.judge(trainer, record)
-        every = cfg.train.eval_every
-        if every and (epoch + 1) % every == 0:
-            record.update(trainer.evaluate_epoch())
-        if per_epoch_peak:
-            record.update(peak_memory(trainer.device))
-        if board is not None:
-            log_scalars(board, record)
-        if main:
-            write_epoch(run_dir, trainer, record, before, best)
-            print(
-                f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
-                f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
-            )
-        dist.barrier()  # the checkpoint is written (or being written, in the background) before any rank moves on
-        if stop_after is not None and stop_after(epoch):
-            ckpt.wait_for_checkpoint()
-            dist.barrier()  # a rank that goes on to resume must find the checkpoint rank 0 was still writing
-            return False
-    return True
+    per_epoch_peak = reset_peak_memory(trainer.device)
+    with best.training(trainer):
+        record = trainer.train_epoch(epoch)
+    best.judge(trainer, record)
+    every = cfg.train.eval_every
+    if every and (epoch + 1) % every == 0:
+        record.update(trainer.evaluate_epoch())
+    if per_epoch_peak:
+        record.update(peak_memory(trainer.device))
+    if board is not None:
+        log_scalars(board, record)
+    if dist.is_main_process():
+        write_epoch(run_dir, trainer, record, before, best)
+        print(
+            f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
+            f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
+        )
+    dist.barrier()  # the checkpoint is written (or being written, in the background) before any rank moves on
 
 
 def reset_peak_memory(device: torch.device) -> bool:

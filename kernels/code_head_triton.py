@@ -504,6 +504,20 @@ def _contig(t: Tensor) -> bool:
     return t.stride(1) == 1 and (t.stride(0) == t.shape[1] or t.shape[0] == 1)
 
 
+def _tile_meta(cfg: dict, x: Tensor, y: Tensor) -> dict:
+    """The compile-time arguments every row-tile launch takes: the code length, the tile shape, whether the code and
+    mask logits are contiguous (then their strides are constant), and the warps."""
+    length = x.shape[1]
+    return dict(
+        L=length,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_L=cfg["block_l"],
+        X_CONTIG=_contig(x),
+        Y_CONTIG=_contig(y),
+        num_warps=cfg["num_warps"],
+    )
+
+
 def _forward(x: Tensor, y: Tensor, age: float, w: Tensor, lw: Tensor):
     n, length = x.shape
     ct = launch.compute_dtype(x.dtype)
@@ -514,39 +528,10 @@ def _forward(x: Tensor, y: Tensor, age: float, w: Tensor, lw: Tensor):
     cc, mc, ln = (launch.new_buffer((), dtype=ct, device=x.device) for _ in range(3))
     programs, final = cfg["fwd_programs"], cfg["finalize"] == 0
     part = colmean if final else launch.new_buffer((programs, cfg["block_l"] + 4), dtype=ct, device=x.device)
-    age_hi, age_lo, c_hi, c_lo = _scalars(age)
-    _fwd_kernel[(programs,)](
-        x,
-        y,
-        x.stride(0),
-        x.stride(1),
-        y.stride(0),
-        y.stride(1),
-        w,
-        lw,
-        raw,
-        mask,
-        code,
-        trunc,
-        part,
-        colmean,
-        cc,
-        mc,
-        ln,
-        n,
-        cfg["tiles_per_prog"],
-        age_hi,
-        age_lo,
-        c_hi,
-        c_lo,
-        L=length,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_L=cfg["block_l"],
-        X_CONTIG=_contig(x),
-        Y_CONTIG=_contig(y),
-        FINAL=final,
-        num_warps=cfg["num_warps"],
-    )
+    inputs = (x, y, *x.stride(), *y.stride(), w, lw)
+    outputs = (raw, mask, code, trunc, part, colmean, cc, mc, ln)
+    meta = _tile_meta(cfg, x, y)
+    _fwd_kernel[(programs,)](*inputs, *outputs, n, cfg["tiles_per_prog"], *_scalars(age), FINAL=final, **meta)
     if not final:
         _finalize_kernel[(1,)](
             part,
@@ -597,14 +582,9 @@ def _backward(x, y, age, w, lw, colmean, grads, need_dx, need_dy):
         dy,
         n,
         *_scalars(age),
-        L=length,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_L=cfg["block_l"],
-        X_CONTIG=_contig(x),
-        Y_CONTIG=_contig(y),
         NEED_DX=need_dx,
         NEED_DY=need_dy,
-        num_warps=cfg["num_warps"],
+        **_tile_meta(cfg, x, y),
         **grad_contig,
         **has_grad,
     )
