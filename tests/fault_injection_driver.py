@@ -35,9 +35,15 @@ REQUIRED = ["mid-step", "mid-checkpoint-write", "mid-log-append", "kmeans"]
 OTHERS = ["feature-pass", "after-log", "after-checkpoint", "mid-metrics-write"]
 EPOCHS, STEPS = 3, 3  # the run below: 192 samples in batches of 64
 OVERRIDES = [
-    f"schedule.epochs={EPOCHS}", "train.train_subset=192", "data.batch_size=64", "kmeans.n_init=2",
-    "model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64", "train.device=cpu",
-]  # fmt: skip
+    f"schedule.epochs={EPOCHS}",
+    "train.train_subset=192",
+    "data.batch_size=64",
+    "kmeans.n_init=2",
+    "model.proj_out_dim=256",
+    "model.proj_hidden_dim=128",
+    "model.proj_bottleneck_dim=64",
+    "train.device=cpu",
+]
 
 
 def die() -> None:

@@ -12,10 +12,19 @@ from infosieve_fast.schedule import epoch_schedule
 from infosieve_fast.trainer_setup import build_optimizer, load_optimizer_state
 
 SMALL = [
-    "train.device=cpu", "train.train_subset=64", "data.batch_size=16", "data.feature_batch_size=32",
-    "kmeans.n_init=1", "model.proj_out_dim=64", "model.proj_hidden_dim=32", "model.proj_bottleneck_dim=16",
-    "train.max_steps_per_epoch=1", "optim.name=sgd", "optim.momentum=0.0", "optim.weight_decay=0.0",
-]  # fmt: skip
+    "train.device=cpu",
+    "train.train_subset=64",
+    "data.batch_size=16",
+    "data.feature_batch_size=32",
+    "kmeans.n_init=1",
+    "model.proj_out_dim=64",
+    "model.proj_hidden_dim=32",
+    "model.proj_bottleneck_dim=16",
+    "train.max_steps_per_epoch=1",
+    "optim.name=sgd",
+    "optim.momentum=0.0",
+    "optim.weight_decay=0.0",
+]
 
 
 def trainer(*extra) -> Trainer:
@@ -71,9 +80,12 @@ def test_an_older_checkpoints_optimizer_state_loads_and_keeps_this_configs_share
 
 def test_moving_the_share_to_or_from_one_on_resume_is_refused_with_the_fix():
     t = trainer()
-    scaled = build_optimizer(t.model, load_config("configs/demo.yaml", [*SMALL, "optim.backbone_lr_scale=0.1"]).optim,
-                             t.device)  # fmt: skip
-    with pytest.raises(ConfigError, match=r"1 parameter group\(s\), this config 2: optim.backbone_lr_scale .* "
-                                          r"Resume with the run's value"):  # fmt: skip
+    scaled = build_optimizer(
+        t.model, load_config("configs/demo.yaml", [*SMALL, "optim.backbone_lr_scale=0.1"]).optim, t.device
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"1 parameter group\(s\), this config 2: optim.backbone_lr_scale .* "
+        r"Resume with the run's value",
+    ):
         load_optimizer_state(scaled, t.optimizer.state_dict())
-

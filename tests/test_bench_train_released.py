@@ -81,8 +81,9 @@ def test_released_train_pass_collects_what_the_published_pass_does():
     minimal = pt.published_features(model, images, 5, augment, torch.Generator().manual_seed(3))
     np.testing.assert_allclose(got.feats, minimal.numpy(), rtol=1e-5, atol=1e-6)
     with torch.no_grad():
-        views = torch.cat([augment(images[lo : lo + 5], 1, g) for g in [torch.Generator().manual_seed(3)]
-                           for lo in range(0, 12, 5)])  # fmt: skip
+        views = torch.cat(
+            [augment(images[lo : lo + 5], 1, g) for g in [torch.Generator().manual_seed(3)] for lo in range(0, 12, 5)]
+        )
         raw = model.backbone(views)
         codes = torch.tanh(model.labeller.coder(model.projection_head(raw)) * model.labeller.age)
     np.testing.assert_allclose(got.codes, codes.numpy(), rtol=1e-5, atol=1e-6)
@@ -133,18 +134,36 @@ def released_epoch(tmp_path, **kwargs):
     augment = DeviceAugment(AugmentConfig(crop_size=32))
     released = pt.ReleasedWork(test_images, test_targets, augment.test_view, tmp_path)
     result = pt.published_epoch(
-        loop, images, targets, labelled, N_CLASSES, batch_size=8, epoch=1, epochs=4, augment=augment.train_views,
-        generator=torch.Generator().manual_seed(0), sampler_generator=torch.Generator().manual_seed(0),
-        kmeans_kwargs={"random_state": 0}, released=released, **kwargs,
-    )  # fmt: skip
+        loop,
+        images,
+        targets,
+        labelled,
+        N_CLASSES,
+        batch_size=8,
+        epoch=1,
+        epochs=4,
+        augment=augment.train_views,
+        generator=torch.Generator().manual_seed(0),
+        sampler_generator=torch.Generator().manual_seed(0),
+        kmeans_kwargs={"random_state": 0},
+        released=released,
+        **kwargs,
+    )
     return model, loop, result
 
 
 def test_released_epoch_runs_every_phase_and_saves_the_three_state_dicts(tmp_path):
     model, loop, result = released_epoch(tmp_path)
     assert list(result.seconds) == [
-        "features", "kmeans", "scoring", "code_kmeans", "steps", "test_features", "test_kmeans", "saves",
-    ]  # fmt: skip
+        "features",
+        "kmeans",
+        "scoring",
+        "code_kmeans",
+        "steps",
+        "test_features",
+        "test_kmeans",
+        "saves",
+    ]
     assert all(s > 0 for s in result.seconds.values())
     assert result.scale == {"features": 1.0, "steps": 1.0, "test_features": 1.0} and len(result.losses) == 40 // 8
     assert set(result.step_log) == set(pt.StepLog.TERMS)
@@ -152,8 +171,11 @@ def test_released_epoch_runs_every_phase_and_saves_the_three_state_dicts(tmp_pat
     assert set(result.accuracies) == {"train", "codes", "test_0", "test_1", "test_2"}
     assert all(0 <= a <= 1 for acc in result.accuracies.values() for a in acc)
     assert loop.scheduler.last_epoch == 1
-    for name, module in (("model.pt", model.backbone), ("model_proj_head.pt", model.projection_head),
-                         ("model_label_head.pt", model.labeller)):  # fmt: skip
+    for name, module in (
+        ("model.pt", model.backbone),
+        ("model_proj_head.pt", model.projection_head),
+        ("model_label_head.pt", model.labeller),
+    ):
         saved = torch.load(tmp_path / name, weights_only=True)
         assert saved.keys() == module.state_dict().keys()
         assert all(torch.equal(saved[k], v) for k, v in module.state_dict().items()), name

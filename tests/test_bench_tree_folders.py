@@ -13,8 +13,11 @@ def test_a_folder_of_another_config_is_refused_and_left_as_it_was(tmp_path):
     before = (run / "config.yaml").read_bytes()
     refuse_other_config(load_config("configs/demo-tree.yaml", ["train.seed=1"]), run)  # the same: reused
     refuse_other_config(load_config("configs/demo-tree.yaml", ["train.seed=1"]), tmp_path / "absent")  # new folder
-    with pytest.raises(SystemExit, match=r"tree-seed1 holds a run of another config \(loss.code_supcon_temperature: "
-                                         r"None there, 0.2 now; train.seed: 1 there, 2 now\)"):  # fmt: skip
+    with pytest.raises(
+        SystemExit,
+        match=r"tree-seed1 holds a run of another config \(loss.code_supcon_temperature: "
+        r"None there, 0.2 now; train.seed: 1 there, 2 now\)",
+    ):
         refuse_other_config(
             load_config("configs/demo-tree.yaml", ["train.seed=2", "loss.code_supcon_temperature=0.2"]), run
         )

@@ -41,15 +41,21 @@ def official_dinov2(dim: int, depth: int, registers: bool, seed: int = 0) -> dic
         state["register_tokens"] = rand(1, REGISTERS, dim)
     for i in range(depth):
         for name, shape in (
-            ("norm1.weight", (dim,)), ("norm1.bias", (dim,)),
-            ("attn.qkv.weight", (3 * dim, dim)), ("attn.qkv.bias", (3 * dim,)),
-            ("attn.proj.weight", (dim, dim)), ("attn.proj.bias", (dim,)),
+            ("norm1.weight", (dim,)),
+            ("norm1.bias", (dim,)),
+            ("attn.qkv.weight", (3 * dim, dim)),
+            ("attn.qkv.bias", (3 * dim,)),
+            ("attn.proj.weight", (dim, dim)),
+            ("attn.proj.bias", (dim,)),
             ("ls1.gamma", (dim,)),
-            ("norm2.weight", (dim,)), ("norm2.bias", (dim,)),
-            ("mlp.fc1.weight", (4 * dim, dim)), ("mlp.fc1.bias", (4 * dim,)),
-            ("mlp.fc2.weight", (dim, 4 * dim)), ("mlp.fc2.bias", (dim,)),
+            ("norm2.weight", (dim,)),
+            ("norm2.bias", (dim,)),
+            ("mlp.fc1.weight", (4 * dim, dim)),
+            ("mlp.fc1.bias", (4 * dim,)),
+            ("mlp.fc2.weight", (dim, 4 * dim)),
+            ("mlp.fc2.bias", (dim,)),
             ("ls2.gamma", (dim,)),
-        ):  # fmt: skip
+        ):
             state[f"blocks.{i}.{name}"] = rand(*shape)
     state["norm.weight"], state["norm.bias"] = rand(dim), rand(dim)
     return state
@@ -181,9 +187,11 @@ def test_patch14_backbone_from_the_config_splits_its_frozen_prefix_exactly(tmp_p
     source = official_dinov2(ARCHS["small"], depth=3, registers=registers)
     name = "vit_small_patch14_reg4_dinov2" if registers else "vit_small_patch14_dinov2"
     cfg = ModelConfig(
-        backbone=name, backbone_kwargs={"img_size": 224, "depth": 3}, pretrained=saved(tmp_path, source),
+        backbone=name,
+        backbone_kwargs={"img_size": 224, "depth": 3},
+        pretrained=saved(tmp_path, source),
         grad_from_block=2,
-    )  # fmt: skip
+    )
     backbone = build_backbone(cfg).eval()
     assert_loaded_at_224(backbone.net, source, registers)
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(2))

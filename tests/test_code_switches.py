@@ -135,9 +135,13 @@ def test_tree_settings_compose_as_documented():
     w = cfg.sup_code_weight
     want["code"] = (1 - w) * want["code_infonce"] + w * (want["code_supcon_gt"] + want["code_supcon_pseudo"]) / 2
     want["total"] = (
-        cfg.alpha * want["in"] + cfg.beta * want["code"] + cfg.zeta * want["code_cond"] + cfg.eta * want["category"]
-        + cfg.delta * want["length"] + cfg.mu * want["mask_cond"]
-    )  # fmt: skip
+        cfg.alpha * want["in"]
+        + cfg.beta * want["code"]
+        + cfg.zeta * want["code_cond"]
+        + cfg.eta * want["category"]
+        + cfg.delta * want["length"]
+        + cfg.mu * want["mask_cond"]
+    )
     assert_parts(parts, want)
 
 

@@ -13,10 +13,16 @@ from infosieve_fast.model import Backbone
 
 FAKE_CUDA = torch.device("cuda")  # only the setting logic reads the device; the modules stay on the CPU
 SMALL = [
-    "train.device=cpu", "train.train_subset=64", "data.batch_size=16", "data.feature_batch_size=32",
-    "kmeans.n_init=1", "model.proj_out_dim=64", "model.proj_hidden_dim=32", "model.proj_bottleneck_dim=16",
+    "train.device=cpu",
+    "train.train_subset=64",
+    "data.batch_size=16",
+    "data.feature_batch_size=32",
+    "kmeans.n_init=1",
+    "model.proj_out_dim=64",
+    "model.proj_hidden_dim=32",
+    "model.proj_bottleneck_dim=16",
     "train.max_steps_per_epoch=1",
-]  # fmt: skip
+]
 
 
 def small_config(*extra):

@@ -11,9 +11,20 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 
 def test_every_shipped_config_loads_and_round_trips(tmp_path):
     assert {p.stem for p in CONFIGS} >= {
-        "cub", "scars", "aircraft", "pets", "herbarium19", "cifar10", "cifar100", "imagenet100", "demo",
-        "dinov2-cub", "dinov2-scars", "dinov2-aircraft", "dinov2-pets",
-    }  # fmt: skip
+        "cub",
+        "scars",
+        "aircraft",
+        "pets",
+        "herbarium19",
+        "cifar10",
+        "cifar100",
+        "imagenet100",
+        "demo",
+        "dinov2-cub",
+        "dinov2-scars",
+        "dinov2-aircraft",
+        "dinov2-pets",
+    }
     for path in CONFIGS:
         cfg = load_config(path)
         save_config(cfg, tmp_path / "c.yaml")
@@ -44,8 +55,10 @@ def test_dinov2_configs_change_only_the_backbone(dataset):
     dino, dinov2 = load_config(f"configs/{dataset}.yaml"), load_config(f"configs/dinov2-{dataset}.yaml")
     m = dinov2.model
     assert (m.backbone, m.backbone_kwargs, Path(m.pretrained).name) == (
-        "vit_base_patch14_dinov2", {"img_size": 224}, "dinov2_vitb14_pretrain.pth",
-    )  # fmt: skip
+        "vit_base_patch14_dinov2",
+        {"img_size": 224},
+        "dinov2_vitb14_pretrain.pth",
+    )
     d, o, s = dinov2.data, dinov2.optim, dinov2.schedule
     assert (d.crop_size, o.lr, s.epochs, d.batch_size) == (224, 0.1, 200, 128)
     backbone = {"backbone": dino.model.backbone, "backbone_kwargs": {}, "pretrained": dino.model.pretrained}
@@ -76,8 +89,11 @@ def test_overrides_parse_yaml_values_and_reject_bad_ones(tmp_path):
 def test_defaults_are_the_reference_behaviour():
     cfg = Config()
     assert (cfg.loss.length_weights, cfg.loss.sup_code_input, cfg.loss.code_constraint, cfg.loss.categorizer_loss) == (
-        "stale", "code", "reference", "bce",
-    )  # fmt: skip
+        "stale",
+        "code",
+        "reference",
+        "bce",
+    )
     assert (cfg.loss.label_smoothing, cfg.optim.weight_decay, cfg.data.color_jitter) == (1.0, 1e-4, 0.0)
 
 

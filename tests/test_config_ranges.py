@@ -18,8 +18,13 @@ from infosieve_fast.config import (
     load_config,
 )
 
-SECTIONS = {"model": ModelConfig, "loss": LossConfig, "optim": OptimConfig, "schedule": ScheduleConfig,
-            "kmeans": KMeansConfig}  # fmt: skip
+SECTIONS = {
+    "model": ModelConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "kmeans": KMeansConfig,
+}
 KEYS = [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 # key: (a bad value, a good value other than the default)
@@ -123,8 +128,13 @@ def test_messages_state_the_range(override_, message):
 
 
 def test_null_is_allowed_where_it_has_a_meaning():
-    cfg = load_config(None, [f"{key}=null" for key in ("loss.code_temperature", "model.grad_from_block",
-                                                      "kmeans.cluster_size", "model.pretrained")])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"{key}=null"
+            for key in ("loss.code_temperature", "model.grad_from_block", "kmeans.cluster_size", "model.pretrained")
+        ],
+    )
     assert (cfg.loss.code_temperature, cfg.model.grad_from_block, cfg.kmeans.cluster_size) == (None, None, None)
 
 
@@ -140,8 +150,10 @@ def test_backbone_image_size_follows_the_crop():
 def test_the_issues_two_commands_stop_before_any_data_is_read(tmp_path, capsys):
     """`--set model.code_length=0` used to train until step 0 (NonFiniteLoss), `--set model.proj_out_dim=-5` to end in
     a torch traceback. Both now stop at load: the shards folder named does not exist and no run folder is made."""
-    for bad, message in (("model.code_length=0", "model.code_length must be >= 1"),
-                         ("model.proj_out_dim=-5", "model.proj_out_dim must be >= 1")):  # fmt: skip
+    for bad, message in (
+        ("model.code_length=0", "model.code_length must be >= 1"),
+        ("model.proj_out_dim=-5", "model.proj_out_dim must be >= 1"),
+    ):
         out = tmp_path / "run"
         argv = ["train", "--config", "configs/cub.yaml", "--data.shards", str(tmp_path / "no-shards"), "--set", bad]
         assert cli.main([*argv, "--out", str(out)]) == 2

@@ -54,8 +54,9 @@ def both(tree, tmp_path_factory):
     make_shards("imagefolder", tree, base / "made", resize=SIZE, workers=1, progress=False)
     raw = read_dataset("imagefolder", tree)
     (base / "classes.txt").write_text("".join(raw.class_names[c] + "\n" for c in range(len(raw.class_names))))
-    _write_foreign(raw, base / "foreign", 5, lambda i: {"jpg": Path(raw.train[i]).read_bytes(),
-                                                        "cls": int(raw.train_labels[i])})  # fmt: skip
+    _write_foreign(
+        raw, base / "foreign", 5, lambda i: {"jpg": Path(raw.train[i]).read_bytes(), "cls": int(raw.train_labels[i])}
+    )
     return base, raw
 
 
@@ -84,8 +85,13 @@ def test_foreign_split_equals_make_shards_split(both):
     base, raw = both
     made = ShardSource(base / "made", num_workers=0, memory_threshold_mb=0)
     opts = IntakeConfig(class_list=str(base / "classes.txt"))
-    foreign = ShardSource(str(base / "foreign" / "train-{000000..000004}.tar"), num_workers=0, memory_threshold_mb=0,
-                          intake=opts, resize=SIZE)  # fmt: skip
+    foreign = ShardSource(
+        str(base / "foreign" / "train-{000000..000004}.tar"),
+        num_workers=0,
+        memory_threshold_mb=0,
+        intake=opts,
+        resize=SIZE,
+    )
     assert foreign.n_train == made.n_train == CLASSES * PER_CLASS
     assert foreign.class_names == made.class_names and foreign.n_old == made.n_old == CLASSES // 2
     cls_m, lab_m = _per_uq(made)
@@ -98,10 +104,18 @@ def test_foreign_split_equals_make_shards_split(both):
 
 def test_json_label_field_by_class_name_gives_the_same_split(both, tmp_path):
     base, raw = both
-    _write_foreign(raw, tmp_path / "js", 7, lambda i: {"input.jpg": Path(raw.train[i]).read_bytes(),
-                   "json": {"label": raw.class_names[int(raw.train_labels[i])]}})  # fmt: skip
-    opts = IntakeConfig(image_keys="input.jpg", label_key="json", label_field="label",
-                         class_list=str(base / "classes.txt"))  # fmt: skip
+    _write_foreign(
+        raw,
+        tmp_path / "js",
+        7,
+        lambda i: {
+            "input.jpg": Path(raw.train[i]).read_bytes(),
+            "json": {"label": raw.class_names[int(raw.train_labels[i])]},
+        },
+    )
+    opts = IntakeConfig(
+        image_keys="input.jpg", label_key="json", label_field="label", class_list=str(base / "classes.txt")
+    )
     src = ShardSource(tmp_path / "js", num_workers=0, memory_threshold_mb=0, intake=opts)
     ref = ShardSource(base / "made", num_workers=0, memory_threshold_mb=0)
     assert [a.tolist() for a in _per_uq(src)] == [a.tolist() for a in _per_uq(ref)]
@@ -110,8 +124,13 @@ def test_json_label_field_by_class_name_gives_the_same_split(both, tmp_path):
 def test_full_size_images_are_resized_on_load(both):
     """The foreign shards hold the original CUB images; served at shorter side 64 like make-shards' resize."""
     base, raw = both
-    src = ShardSource(base / "foreign", num_workers=0, memory_threshold_mb=0, resize=SIZE,
-                      intake=IntakeConfig(class_list=str(base / "classes.txt")))  # fmt: skip
+    src = ShardSource(
+        base / "foreign",
+        num_workers=0,
+        memory_threshold_mb=0,
+        resize=SIZE,
+        intake=IntakeConfig(class_list=str(base / "classes.txt")),
+    )
     batch = next(src.feature_batches(4))
     sizes = batch.sizes if batch.sizes is not None else torch.tensor([batch.images.shape[2:]] * len(batch.uq))
     for img, size, uq in zip(batch.images, sizes, batch.uq.tolist(), strict=True):
@@ -227,8 +246,14 @@ def test_build_source_reads_foreign_shards_from_the_config(both):
     from infosieve_fast.data import build_source
 
     base, raw = both
-    overrides = [f"data.shards={base / 'foreign' / 'train-*.tar'}", f"data.intake.class_list={base / 'classes.txt'}",
-                 "data.intake.known_classes=[1, 3]", "data.num_workers=0", f"data.resize={SIZE}", "data.crop_size=32"]
+    overrides = [
+        f"data.shards={base / 'foreign' / 'train-*.tar'}",
+        f"data.intake.class_list={base / 'classes.txt'}",
+        "data.intake.known_classes=[1, 3]",
+        "data.num_workers=0",
+        f"data.resize={SIZE}",
+        "data.crop_size=32",
+    ]
     cfg = load_config(None, overrides)
     src = build_source(cfg.data, cfg.train)
     assert src.n_train == len(raw.train) and src.size == SIZE

@@ -52,8 +52,17 @@ def _check_split(raw) -> None:
 
 
 def test_class_lists_partition_and_pin():
-    for name, n in [("cub", 200), ("scars", 196), ("aircraft", 100), ("herbarium19", 683), ("cifar10", 10),
-                    ("cifar100", 100), ("pets", 37), ("imagenet100", 100), ("imagenet1k", 1000)]:  # fmt: skip
+    for name, n in [
+        ("cub", 200),
+        ("scars", 196),
+        ("aircraft", 100),
+        ("herbarium19", 683),
+        ("cifar10", 10),
+        ("cifar100", 100),
+        ("pets", 37),
+        ("imagenet100", 100),
+        ("imagenet1k", 1000),
+    ]:
         cs = class_split(name)
         assert sorted(cs.order) == list(range(n)), name
     assert class_split("imagenet1k").known == tuple(range(500))  # GCD: range(500) of the sorted wnid folders
@@ -65,8 +74,18 @@ def test_class_lists_partition_and_pin():
     assert splits.CUB_KNOWN[:5] == (150, 70, 34, 178, 199) and splits.CUB_NOVEL[:4] == (29, 110, 3, 8)
     assert splits.AIRCRAFT_NOVEL[:8] == (6, 7, 8, 9, 12, 13, 31, 32)  # Hard first, not sorted
     # pin the exact lists transcribed from REFERENCE.md §7
-    blob = repr([splits.CUB_KNOWN, splits.CUB_NOVEL, splits.SCARS_KNOWN, splits.SCARS_NOVEL, splits.AIRCRAFT_KNOWN,
-                 splits.AIRCRAFT_NOVEL, splits.IMAGENET100_CLASSES, splits.HERBARIUM19_OLD])  # fmt: skip
+    blob = repr(
+        [
+            splits.CUB_KNOWN,
+            splits.CUB_NOVEL,
+            splits.SCARS_KNOWN,
+            splits.SCARS_NOVEL,
+            splits.AIRCRAFT_KNOWN,
+            splits.AIRCRAFT_NOVEL,
+            splits.IMAGENET100_CLASSES,
+            splits.HERBARIUM19_OLD,
+        ]
+    )
     assert hashlib.sha256(blob.encode()).hexdigest()[:16] == PINNED_LISTS_SHA
 
 

@@ -29,8 +29,9 @@ def shards(realdata, tmp_path_factory) -> dict[str, Path]:
             os.symlink(src / cls / f, dst)
     out = {}
     for name, size_mb in [("many", 0.05), ("one", 100)]:
-        make_shards("imagefolder", base / "raw", base / name, shard_size_mb=size_mb, resize=64, workers=2,
-                    progress=False)  # fmt: skip
+        make_shards(
+            "imagefolder", base / "raw", base / name, shard_size_mb=size_mb, resize=64, workers=2, progress=False
+        )
         out[name] = base / name
     return out
 
@@ -45,8 +46,10 @@ def _uqs(batches) -> list[int]:
 @pytest.mark.parametrize("layout", ["many", "one"])  # split by shard / split by sample
 @pytest.mark.parametrize("threshold", [0, 1e6])  # streaming / in memory
 def test_two_ranks_two_workers_exactly_once(shards, layout, threshold):
-    sources = [ShardSource(shards[layout], memory_threshold_mb=threshold, rank=r, world_size=2, num_workers=2)
-               for r in range(2)]  # fmt: skip
+    sources = [
+        ShardSource(shards[layout], memory_threshold_mb=threshold, rank=r, world_size=2, num_workers=2)
+        for r in range(2)
+    ]
     assert all(s.in_memory == (threshold > 0) for s in sources)
     if layout == "many" and threshold == 0:
         assert len(sources[0].urls) >= 4  # enough shards to split by shard
@@ -57,8 +60,12 @@ def test_two_ranks_two_workers_exactly_once(shards, layout, threshold):
     test = [_uqs(s.test_batches(16)) for s in sources]
     assert sorted(test[0] + test[1]) == list(range(10 * N_CLASSES))
     # training epoch, no re-weighting: every sample at most once, the same number of full batches on each rank
-    train = [ShardSource(shards[layout], memory_threshold_mb=threshold, rank=r, world_size=2, num_workers=2,
-                         sampling="shuffle") for r in range(2)]  # fmt: skip
+    train = [
+        ShardSource(
+            shards[layout], memory_threshold_mb=threshold, rank=r, world_size=2, num_workers=2, sampling="shuffle"
+        )
+        for r in range(2)
+    ]
     epochs = [list(s.train_batches(16, epoch=3, seed=1)) for s in train]
     assert len(epochs[0]) == len(epochs[1]) == N // 32
     assert all(len(b.uq) == 16 for e in epochs for b in e)
@@ -74,10 +81,16 @@ def test_batches_carry_the_manifest_bookkeeping(shards):
     src = ShardSource(shards["many"], memory_threshold_mb=0, num_workers=2)
     mem = ShardSource(shards["many"], memory_threshold_mb=1e6, num_workers=2)
     assert (src.n_train, src.n_old, src.n_classes) == (N, N_CLASSES // 2, N_CLASSES)
-    a = {int(u): (int(t), bool(lab), img) for b in src.feature_batches(32)
-         for u, t, lab, img in zip(b.uq, b.targets, b.labelled, b.images, strict=True)}  # fmt: skip
-    b = {int(u): (int(t), bool(lab), img) for bb in mem.feature_batches(32)
-         for u, t, lab, img in zip(bb.uq, bb.targets, bb.labelled, bb.images, strict=True)}  # fmt: skip
+    a = {
+        int(u): (int(t), bool(lab), img)
+        for b in src.feature_batches(32)
+        for u, t, lab, img in zip(b.uq, b.targets, b.labelled, b.images, strict=True)
+    }
+    b = {
+        int(u): (int(t), bool(lab), img)
+        for bb in mem.feature_batches(32)
+        for u, t, lab, img in zip(bb.uq, bb.targets, bb.labelled, bb.images, strict=True)
+    }
     assert a.keys() == b.keys()
     for k in a:
         assert a[k][:2] == b[k][:2] and torch.equal(a[k][2], b[k][2])
@@ -117,8 +130,9 @@ def test_device_in_memory(shards, device):
 def _wds_samples(path: str) -> list[dict]:
     import webdataset as wds
 
-    return [{k: v for k, v in s.items() if k != "__local_path__"}
-            for s in wds.tariterators.tarfile_samples([{"url": path}])]  # fmt: skip
+    return [
+        {k: v for k, v in s.items() if k != "__local_path__"} for s in wds.tariterators.tarfile_samples([{"url": path}])
+    ]
 
 
 @pytest.mark.parametrize("fmt", ["shard", "pax", "gnu", "ustar"])
@@ -134,8 +148,9 @@ def test_tar_reader_matches_webdataset(shards, tmp_path, fmt):
         path = str(next(iter(sorted(shards["one"].glob("*-train-*.tar")))))
     else:
         path = str(tmp_path / "t.tar")
-        with tarfile.open(path, "w", format={"pax": tarfile.PAX_FORMAT, "gnu": tarfile.GNU_FORMAT,
-                                             "ustar": tarfile.USTAR_FORMAT}[fmt]) as tar:  # fmt: skip
+        with tarfile.open(
+            path, "w", format={"pax": tarfile.PAX_FORMAT, "gnu": tarfile.GNU_FORMAT, "ustar": tarfile.USTAR_FORMAT}[fmt]
+        ) as tar:
             tar.addfile(_dir_info())
             prefix = "deep/" * 30 if fmt != "ustar" else "sub/"
             for i in range(4):

@@ -36,8 +36,16 @@ def shards(tmp_path_factory):
                 pixels = (rng.random((h, w, 3)) * 64 + c * 48).astype(np.uint8)
                 Image.fromarray(pixels).save(d / f"{i:03d}.png")
     out = base / "shards"
-    make_shards("imagefolder", base / "raw", out, shard_size_mb=0.02, resize=RESIZE, workers=1, progress=False,
-                image_format="png")  # fmt: skip
+    make_shards(
+        "imagefolder",
+        base / "raw",
+        out,
+        shard_size_mb=0.02,
+        resize=RESIZE,
+        workers=1,
+        progress=False,
+        image_format="png",
+    )
     return out
 
 
@@ -80,8 +88,9 @@ def test_whole_stored_images_are_served(shards, cache):
         for i, view in enumerate(views):
             img = stored[int(batch.uq[i % len(batch.uq)])].float() / 255
             crops = img.unfold(1, CROP, 1).unfold(2, CROP, 1)  # [3, nh, nw, CROP, CROP]: every crop position
-            hit = [((crops - v[:, None, None]).abs() < 1e-6).flatten(3).all(-1).all(0).any()
-                   for v in (view, view.flip(-1))]  # fmt: skip
+            hit = [
+                ((crops - v[:, None, None]).abs() < 1e-6).flatten(3).all(-1).all(0).any() for v in (view, view.flip(-1))
+            ]
             assert hit[0] or hit[1], "a training view is not a crop of its image"
         seen += len(batch.uq)
     assert seen == 64
@@ -224,8 +233,9 @@ def _cache_worker(rank: int, port: int, shards: str, out: str) -> None:
 
     import torch.distributed as tdist
 
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                             timeout=timedelta(seconds=60))  # fmt: skip
+    tdist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         src = ShardSource(shards, cache="cpu", num_workers=0)
         read, original = [], src._read

@@ -47,8 +47,16 @@ def _spy(calls: list, totals: list) -> None:
 
     def spy_cluster(self, fs, seed, balanced):
         result = cluster(self, fs, seed, balanced)
-        calls.append({"fs": vars(fs), "seed": seed, "balanced": balanced, "table": result.labels,
-                      "inertia": result.inertia, "centers": result.centers})  # fmt: skip
+        calls.append(
+            {
+                "fs": vars(fs),
+                "seed": seed,
+                "balanced": balanced,
+                "table": result.labels,
+                "inertia": result.inertia,
+                "centers": result.centers,
+            }
+        )
         return result
 
     def spy_loss(self, *args):
@@ -103,8 +111,13 @@ def test_rank0_writes_the_run_folder_once(ddp):
     out, res = ddp
     run = out / "full"
     assert sorted(p.name for p in run.iterdir()) == [
-        "checkpoint.pt", "clustering.npz", "config.yaml", "fingerprint.json", "log.jsonl", "metrics.json",
-    ]  # fmt: skip
+        "checkpoint.pt",
+        "clustering.npz",
+        "config.yaml",
+        "fingerprint.json",
+        "log.jsonl",
+        "metrics.json",
+    ]
     assert load_config(run / "config.yaml") == ddp_config()
     log = read_log(run / "log.jsonl")
     assert [r["epoch"] for r in log] == [0, 1]
@@ -146,9 +159,18 @@ def test_two_process_clustering_equals_one_process(ddp):
         targets = torch.cat([c0["fs"]["targets"], c1["fs"]["targets"]])
         lab = torch.cat([c0["fs"]["labelled"], c1["fs"]["labelled"]])
         single = semi_supervised_kmeans(
-            feats[~lab], feats[lab], targets[lab], 10, n_init=cfg.kmeans.n_init, max_iter=cfg.kmeans.max_iter,
-            tol=cfg.kmeans.tol, balanced=c0["balanced"], balance=cfg.kmeans.balance, seed=c0["seed"], backend="torch",
-        )  # fmt: skip
+            feats[~lab],
+            feats[lab],
+            targets[lab],
+            10,
+            n_init=cfg.kmeans.n_init,
+            max_iter=cfg.kmeans.max_iter,
+            tol=cfg.kmeans.tol,
+            balanced=c0["balanced"],
+            balance=cfg.kmeans.balance,
+            seed=c0["seed"],
+            backend="torch",
+        )
         table = torch.empty(320, dtype=torch.long)
         table[lab.nonzero().squeeze(1)] = single.labels[: int(lab.sum())]
         table[(~lab).nonzero().squeeze(1)] = single.labels[int(lab.sum()) :]

@@ -28,12 +28,20 @@ def shard_run(realdata, tmp_path_factory):
     make_shards("imagefolder", base / "raw", base / "shards", resize=40, known_classes=[0, 1], progress=False)
     cfg = load_config(
         "configs/demo.yaml",
-        SMOKE[:1] + SMOKE[2:] + [
-            "data.source=shards", f"data.shards={base / 'shards'}", "data.batch_size=32", "data.num_workers=0",
-            "model.backbone_kwargs={in_chans: 3}", "data.mean=[0.5, 0.5, 0.5]", "data.std=[0.25, 0.25, 0.25]",
-            "train.eval_every=1", "train.tensorboard=true",
+        SMOKE[:1]
+        + SMOKE[2:]
+        + [
+            "data.source=shards",
+            f"data.shards={base / 'shards'}",
+            "data.batch_size=32",
+            "data.num_workers=0",
+            "model.backbone_kwargs={in_chans: 3}",
+            "data.mean=[0.5, 0.5, 0.5]",
+            "data.std=[0.25, 0.25, 0.25]",
+            "train.eval_every=1",
+            "train.tensorboard=true",
         ],
-    )  # fmt: skip
+    )
     metrics = train(cfg, base / "run")
     return base, cfg, metrics
 
@@ -72,8 +80,11 @@ def test_tensorboard_holds_the_log(shard_run):
     log = [json.loads(line) for line in (base / "run" / "log.jsonl").read_text().splitlines()]
     acc = EventAccumulator(str(base / "run" / "tensorboard"))
     acc.Reload()
-    for key, pick in (("loss_total", lambda r: r["loss_total"]), ("lr", lambda r: r["lr"]),
-                      ("eval_test/all", lambda r: r["eval_test"]["all"])):  # fmt: skip
+    for key, pick in (
+        ("loss_total", lambda r: r["loss_total"]),
+        ("lr", lambda r: r["lr"]),
+        ("eval_test/all", lambda r: r["eval_test"]["all"]),
+    ):
         events = acc.Scalars(key)
         assert [e.step for e in events] == [1, 2]
         assert [e.value for e in events] == pytest.approx([pick(r) for r in log], rel=1e-6)

@@ -87,12 +87,26 @@ def test_the_packaged_efficientnet_weights_are_hashed_where_they_lie():
 
 def _fingerprint(**changes) -> dict:
     base = {
-        "commit": "a" * 40, "dirty": False, "tree_hash": "1" * 64, "python": "3.12.3", "torch": "2.11.0",
-        "cuda": "13.0", "cudnn": 91300, "triton": "3.6.0", "gpu": "NVIDIA H100 80GB HBM3", "device": "cuda:0",
-        "cpu": "Intel Xeon", "world_size": 1, "backbone_weights": {"path": "/w/dino.pth", "sha256": "f" * 64},
-        "precision": {"tf32_matmul": False, "tf32_cudnn": True, "float32_matmul_precision": "highest",
-                      "amp_dtype": "bfloat16"},
-    }  # fmt: skip
+        "commit": "a" * 40,
+        "dirty": False,
+        "tree_hash": "1" * 64,
+        "python": "3.12.3",
+        "torch": "2.11.0",
+        "cuda": "13.0",
+        "cudnn": 91300,
+        "triton": "3.6.0",
+        "gpu": "NVIDIA H100 80GB HBM3",
+        "device": "cuda:0",
+        "cpu": "Intel Xeon",
+        "world_size": 1,
+        "backbone_weights": {"path": "/w/dino.pth", "sha256": "f" * 64},
+        "precision": {
+            "tf32_matmul": False,
+            "tf32_cudnn": True,
+            "float32_matmul_precision": "highest",
+            "amp_dtype": "bfloat16",
+        },
+    }
     for dotted, value in changes.items():
         node = base
         *parents, name = dotted.split("__")
@@ -108,8 +122,14 @@ def test_numerics_differences_name_each_field_that_changes_numbers():
     # not numerics by themselves: the commit (same code), the dirty flag, python, the device index, the path
     same = _fingerprint(commit="b" * 40, dirty=True, python="3.12.4", device="cuda:3", backbone_weights__path="/x.pth")
     assert fingerprint.numerics_differences(a, same) == []
-    b = _fingerprint(torch="2.14.1", cudnn=92400, gpu="NVIDIA H200", precision__tf32_matmul=True, world_size=4,
-                     backbone_weights__sha256="e" * 64)  # fmt: skip
+    b = _fingerprint(
+        torch="2.14.1",
+        cudnn=92400,
+        gpu="NVIDIA H200",
+        precision__tf32_matmul=True,
+        world_size=4,
+        backbone_weights__sha256="e" * 64,
+    )
     assert fingerprint.numerics_differences(a, b) == [
         "torch: '2.11.0' vs '2.14.1'",
         "cudnn: 91300 vs 92400",
@@ -128,7 +148,8 @@ def test_numerics_differences_name_each_field_that_changes_numbers():
         "cpu: 'AMD EPYC' vs 'Intel Xeon'"
     ]
     assert fingerprint.numerics_differences(cpu_a, a) == [
-        "device: 'cpu' vs 'cuda'", "gpu: None vs 'NVIDIA H100 80GB HBM3'"
+        "device: 'cpu' vs 'cuda'",
+        "gpu: None vs 'NVIDIA H100 80GB HBM3'",
     ]
     # a field one side did not record is not compared (a resume records no backbone weights)
     resumed = _fingerprint(backbone_weights__sha256="e" * 64)

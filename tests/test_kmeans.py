@@ -96,8 +96,19 @@ def test_herbarium_config_runs_the_published_unbalanced_two_phases():
     k = load_config(CONFIGS / "herbarium19.yaml").kmeans
     assert (k.balanced, k.balance, k.distance_precision) == (False, "reference", "fp32")
     u, l, t, _ = blobs(**IMBALANCED)
-    res = semi_supervised_kmeans(u, l, t, 5, n_init=2, max_iter=k.max_iter, tol=k.tol, balanced=k.balanced,
-                                 balance=k.balance, distance_precision=k.distance_precision, seed=0)  # fmt: skip
+    res = semi_supervised_kmeans(
+        u,
+        l,
+        t,
+        5,
+        n_init=2,
+        max_iter=k.max_iter,
+        tol=k.tol,
+        balanced=k.balanced,
+        balance=k.balance,
+        distance_precision=k.distance_precision,
+        seed=0,
+    )
     ref = reference(u, l, t, 5, n_init=2, max_iter=k.max_iter, variant="infosieve", cluster_size=None)
     assert torch.equal(res.labels, ref.labels_)
     assert res.inertia == pytest.approx(ref.inertia_, rel=1e-12)
@@ -188,8 +199,19 @@ def test_empty_cluster_keeps_its_centre():
 def test_capacity_assignment_hand_made():
     u = torch.tensor([[0.0], [1.0], [2.0], [10.0]], dtype=torch.float64)
     C = torch.tensor([[0.0], [10.0]], dtype=torch.float64)
-    p = _Problem(u, (u * u).sum(1), u[:0], torch.zeros(0, dtype=torch.long), 2, 0, C * 0, torch.zeros(2).long(), 4,
-                 _TorchOps(2), 2)  # fmt: skip
+    p = _Problem(
+        u,
+        (u * u).sum(1),
+        u[:0],
+        torch.zeros(0, dtype=torch.long),
+        2,
+        0,
+        C * 0,
+        torch.zeros(2).long(),
+        4,
+        _TorchOps(2),
+        2,
+    )
     lab, inertia = _assign_capacity(p, C[None], torch.tensor([2, 2]))
     assert lab.tolist() == [[0, 0, 1, 1]]
     assert float(inertia) == pytest.approx(0 + 1 + 64 + 0)
@@ -200,8 +222,19 @@ def test_capacity_assignment_close_to_optimal():
     u = torch.randn(60, 4, generator=g, dtype=torch.float64)
     C = torch.randn(5, 4, generator=g, dtype=torch.float64) * 0.5
     cap = torch.tensor([25, 8, 18, 15, 12])
-    p = _Problem(u, (u * u).sum(1), u[:0], torch.zeros(0, dtype=torch.long), 5, 0, C * 0, torch.zeros(5).long(), 60,
-                 _TorchOps(16), 16)  # fmt: skip
+    p = _Problem(
+        u,
+        (u * u).sum(1),
+        u[:0],
+        torch.zeros(0, dtype=torch.long),
+        5,
+        0,
+        C * 0,
+        torch.zeros(5).long(),
+        60,
+        _TorchOps(16),
+        16,
+    )
     lab, inertia = (a[0] for a in _assign_capacity(p, C[None], cap))
     assert (torch.bincount(lab, minlength=5) <= cap).all()
     d = torch.cdist(u, C) ** 2
@@ -391,8 +424,9 @@ def test_low_precision_kmeans_labels_equal_fp32(monkeypatch, precision, mode, st
     u, l, t, _ = blobs(n=600, d=32, k=10, n_known=5, seed=3, spread=0.6)  # overlapping blobs: many near ties
     u, l = u.float(), l.float()
     ref = semi_supervised_kmeans(u, l, t, 10, n_init=2, seed=1, chunk_size=100, **MODES[mode])
-    low = semi_supervised_kmeans(u, l, t, 10, n_init=2, seed=1, chunk_size=100, distance_precision=precision,
-                                 **MODES[mode])  # fmt: skip
+    low = semi_supervised_kmeans(
+        u, l, t, 10, n_init=2, seed=1, chunk_size=100, distance_precision=precision, **MODES[mode]
+    )
     assert torch.equal(low.labels, ref.labels)
     assert low.inertia == pytest.approx(ref.inertia, rel=1e-6)
     assert ref.searched_rows == ref.rechecked_rows == 0

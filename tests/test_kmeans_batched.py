@@ -62,8 +62,9 @@ def count_host_syncs(monkeypatch) -> dict:
 
         monkeypatch.setattr(torch.Tensor, name, counting)
     nonzero = torch.nonzero
-    monkeypatch.setattr(torch, "nonzero", lambda *a, **kw: counts.__setitem__("nonzero", counts["nonzero"] + 1)
-                        or nonzero(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        torch, "nonzero", lambda *a, **kw: counts.__setitem__("nonzero", counts["nonzero"] + 1) or nonzero(*a, **kw)
+    )
     return counts
 
 

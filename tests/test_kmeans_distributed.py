@@ -42,8 +42,16 @@ def _worker(rank, world, port, out_dir):
         u, l, t, _ = _data()
         res = {}
         for name, kw in MODES.items():
-            r = semi_supervised_kmeans(_shard(u, rank, world), _shard(l, rank, world), _shard(t, rank, world), 6,
-                                       n_init=3, seed=1, backend="torch", **kw)  # fmt: skip
+            r = semi_supervised_kmeans(
+                _shard(u, rank, world),
+                _shard(l, rank, world),
+                _shard(t, rank, world),
+                6,
+                n_init=3,
+                seed=1,
+                backend="torch",
+                **kw,
+            )
             res[name] = (r.labels, r.centers, r.inertia, r.history)
         torch.save(res, f"{out_dir}/rank{rank}.pt")
     finally:

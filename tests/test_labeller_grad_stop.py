@@ -20,9 +20,14 @@ from tests.test_code_switches import TREE
 from tests.test_engine import smoke_config
 
 TINY = dict(
-    backbone="vit_tiny_patch16_224", backbone_kwargs={"img_size": 32, "depth": 2}, grad_from_block=0,
-    proj_hidden_dim=64, proj_bottleneck_dim=32, proj_out_dim=128, code_length=8,
-)  # fmt: skip
+    backbone="vit_tiny_patch16_224",
+    backbone_kwargs={"img_size": 32, "depth": 2},
+    grad_from_block=0,
+    proj_hidden_dim=64,
+    proj_bottleneck_dim=32,
+    proj_out_dim=128,
+    code_length=8,
+)
 N_OLD, B = 3, 6
 
 

@@ -111,8 +111,10 @@ def test_make_shards_end_to_end(ilsvrc, tmp_path, capsys):
     n_train = len(want["train_labels"])
     assert summary["dataset"] == "imagenet1k" and (summary["n_old"], summary["n_classes"]) == (500, 1000)
     assert (summary["labelled"], summary["unlabelled"], summary["test"]) == (
-        expected.sum(), n_train - expected.sum(), 1000
-    )  # fmt: skip
+        expected.sum(),
+        n_train - expected.sum(),
+        1000,
+    )
     assert summary["reference_check"] == "n/a"  # no exact ImageNet-1k counts to compare with
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["classes"]["names"] == WNIDS and manifest["classes"]["known"] == list(range(500))

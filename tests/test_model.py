@@ -123,8 +123,9 @@ def test_projection_head_matches_dinohead_layout_and_math():
     head = ProjectionHead(24, 32, 16, 64)
     keys = set(head.state_dict())
     assert keys == {f"mlp.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")} | {
-        "last_layer.weight_g", "last_layer.weight_v",
-    }  # fmt: skip
+        "last_layer.weight_g",
+        "last_layer.weight_v",
+    }
     assert head.last_layer.weight_g.shape == (64, 1) and not head.last_layer.weight_g.requires_grad
     x = torch.randn(5, 24)
     h = torch.nn.functional.normalize(head.mlp(x), dim=-1)

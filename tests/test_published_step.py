@@ -44,9 +44,14 @@ from infosieve_fast.loss import InfoSieveLoss
 from infosieve_fast.model import InfoSieve
 
 TINY = dict(
-    backbone="vit_tiny_patch16_224", backbone_kwargs={"img_size": 32, "depth": 4}, grad_from_block=2,
-    proj_hidden_dim=64, proj_bottleneck_dim=32, proj_out_dim=256, code_length=8,
-)  # fmt: skip
+    backbone="vit_tiny_patch16_224",
+    backbone_kwargs={"img_size": 32, "depth": 4},
+    grad_from_block=2,
+    proj_hidden_dim=64,
+    proj_bottleneck_dim=32,
+    proj_out_dim=256,
+    code_length=8,
+)
 N_OLD, N_CLASSES, B = 3, 5, 6
 SGD64 = dict(lr=1e-4, momentum=0.9, weight_decay=1e-4)  # see the module docstring for the small lr
 RTOL64 = 1e-9
@@ -78,9 +83,15 @@ def fast_model(seed: int, coder_scale: float = 1.0) -> InfoSieve:
 
 def published_from(fast: InfoSieve, dtype: torch.dtype) -> pt.PublishedModel:
     pub = pt.build_published_model(
-        N_OLD, TINY["backbone"], TINY["grad_from_block"], TINY["code_length"], TINY["proj_out_dim"],
-        TINY["backbone_kwargs"], TINY["proj_hidden_dim"], TINY["proj_bottleneck_dim"],
-    )  # fmt: skip
+        N_OLD,
+        TINY["backbone"],
+        TINY["grad_from_block"],
+        TINY["code_length"],
+        TINY["proj_out_dim"],
+        TINY["backbone_kwargs"],
+        TINY["proj_hidden_dim"],
+        TINY["proj_bottleneck_dim"],
+    )
     pt.copy_weights_from_fast(pub, fast)
     return pub.to(dtype)
 
@@ -210,8 +221,10 @@ def test_copy_weights_from_fast_covers_every_tensor():
         if mapped is not None:
             assert torch.equal(pub.state_dict()[mapped], value), name
     assert {n for n in fast_state if pt.fast_to_published_name(n) is None} == {
-        "labeller.age", "labeller.code_weight", "labeller.length_weight",
-    }  # fmt: skip
+        "labeller.age",
+        "labeller.code_weight",
+        "labeller.length_weight",
+    }
 
 
 def test_published_pseudo_labels_recover_separated_blobs():
@@ -240,9 +253,15 @@ def test_published_epoch_smoke(device, monkeypatch):
     torch.manual_seed(0)
     n, n_old, n_classes, bs, code_length = 40, 2, 4, 8, 8
     model = pt.build_published_model(
-        n_old, TINY["backbone"], TINY["grad_from_block"], code_length, TINY["proj_out_dim"], TINY["backbone_kwargs"],
-        TINY["proj_hidden_dim"], TINY["proj_bottleneck_dim"],
-    ).to(device)  # fmt: skip
+        n_old,
+        TINY["backbone"],
+        TINY["grad_from_block"],
+        code_length,
+        TINY["proj_out_dim"],
+        TINY["backbone_kwargs"],
+        TINY["proj_hidden_dim"],
+        TINY["proj_bottleneck_dim"],
+    ).to(device)
     loop = pt.PublishedLoop.build(model, n_old, epochs=4)
     steps = []
     loop.optimizer.register_step_post_hook(lambda *_: steps.append(1))
@@ -256,9 +275,19 @@ def test_published_epoch_smoke(device, monkeypatch):
     augment = DeviceAugment(AugmentConfig(crop_size=32))
     gen = torch.Generator(device=device).manual_seed(0)
     result = pt.published_epoch(
-        loop, images, targets, labelled, n_classes, batch_size=bs, epoch=1, epochs=4, augment=augment.train_views,
-        generator=gen, sampler_generator=torch.Generator().manual_seed(0), kmeans_kwargs={"random_state": 0},
-    )  # fmt: skip
+        loop,
+        images,
+        targets,
+        labelled,
+        n_classes,
+        batch_size=bs,
+        epoch=1,
+        epochs=4,
+        augment=augment.train_views,
+        generator=gen,
+        sampler_generator=torch.Generator().manual_seed(0),
+        kmeans_kwargs={"random_state": 0},
+    )
 
     assert len(steps) == len(result.losses) == len(result.batches) == n // bs
     assert all(bool(torch.isfinite(loss)) for loss in result.losses)

@@ -12,12 +12,20 @@ from infosieve_fast.data.shards import make_shards
 from infosieve_fast.engine import Trainer
 
 TINY_VIT = [
-    "train.device=cpu", "model.backbone=vit_tiny_patch16_224",
-    "model.backbone_kwargs={in_chans: 1, img_size: 32, patch_size: 8, depth: 3}", "model.grad_from_block=2",
-    "data.crop_size=32", "train.train_subset=96", "data.batch_size=32", "data.feature_batch_size=40",
-    "kmeans.n_init=1", "model.proj_out_dim=64", "model.proj_hidden_dim=32", "model.proj_bottleneck_dim=16",
+    "train.device=cpu",
+    "model.backbone=vit_tiny_patch16_224",
+    "model.backbone_kwargs={in_chans: 1, img_size: 32, patch_size: 8, depth: 3}",
+    "model.grad_from_block=2",
+    "data.crop_size=32",
+    "train.train_subset=96",
+    "data.batch_size=32",
+    "data.feature_batch_size=40",
+    "kmeans.n_init=1",
+    "model.proj_out_dim=64",
+    "model.proj_hidden_dim=32",
+    "model.proj_bottleneck_dim=16",
     "train.max_steps_per_epoch=2",
-]  # fmt: skip
+]
 
 
 def trainer(*extra) -> Trainer:
@@ -104,10 +112,14 @@ def test_the_test_split_replays_its_tokens_too(realdata, tmp_path, monkeypatch):
                 (tmp_path / "raw" / split / cls / src.name).symlink_to(src)
     make_shards("imagefolder", tmp_path / "raw", tmp_path / "shards", resize=36, known_classes=[0, 1], progress=False)
     shards = [
-        "data.source=shards", f"data.shards={tmp_path / 'shards'}", "data.num_workers=0", "data.mean=[0.5, 0.5, 0.5]",
-        "data.std=[0.25, 0.25, 0.25]", "model.backbone_kwargs={in_chans: 3, img_size: 32, patch_size: 8, depth: 3}",
+        "data.source=shards",
+        f"data.shards={tmp_path / 'shards'}",
+        "data.num_workers=0",
+        "data.mean=[0.5, 0.5, 0.5]",
+        "data.std=[0.25, 0.25, 0.25]",
+        "model.backbone_kwargs={in_chans: 3, img_size: 32, patch_size: 8, depth: 3}",
         "train.train_subset=null",
-    ]  # fmt: skip
+    ]
     cached, plain = trainer(*shards), trainer(*shards, "train.token_cache=off")
     centers = torch.nn.functional.normalize(torch.randn(3, cached.model.backbone.feat_dim), dim=1)
     first = cached.evaluate_test(centers)
