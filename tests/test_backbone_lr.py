@@ -10,21 +10,9 @@ from infosieve_fast.config import ConfigError, load_config
 from infosieve_fast.engine import Trainer
 from infosieve_fast.schedule import epoch_schedule
 from infosieve_fast.trainer_setup import build_optimizer, load_optimizer_state
+from tests.test_compiling import SMALL as COMPILING_SMALL
 
-SMALL = [
-    "train.device=cpu",
-    "train.train_subset=64",
-    "data.batch_size=16",
-    "data.feature_batch_size=32",
-    "kmeans.n_init=1",
-    "model.proj_out_dim=64",
-    "model.proj_hidden_dim=32",
-    "model.proj_bottleneck_dim=16",
-    "train.max_steps_per_epoch=1",
-    "optim.name=sgd",
-    "optim.momentum=0.0",
-    "optim.weight_decay=0.0",
-]
+SMALL = [*COMPILING_SMALL, "optim.name=sgd", "optim.momentum=0.0", "optim.weight_decay=0.0"]  # plain SGD steps
 
 
 def trainer(*extra) -> Trainer:
