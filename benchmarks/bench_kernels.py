@@ -10,10 +10,21 @@ Cases:
   time does not fit is recorded as {"skipped": reason}, and so is one that runs out of memory.
 
 Variants: `fused` (the Triton modules `kernels/code_head_triton.py` and `kernels/contrastive_triton.py`, called
-directly), `eager` (`kernels.reference`), `compiled` (`torch.compile(reference)`). On the CPU only `eager` runs
-(Triton-interpreter timings mean nothing; `--quick` is the CPU smoke run). A missing Triton module is reported as
-"unavailable: ...", never a crash. A time budget (`--budget-s`, default 210 s on CUDA) keeps the whole run short:
-cases left when it is spent are "skipped: time budget spent".
+directly), `eager` (`kernels.reference`), `compiled` (`torch.compile(reference)`), and two checks that the fused
+kernels can be captured: `fused_graph` (the fused forward+backward captured once in a CUDA graph and replayed: the
+device's time with no host work per call) and `fused_compiled` (`torch.compile` around the fused call, at the
+training shapes only; `graph_breaks` counts where dynamo fell back to Python). Both report `max_rel_diff_vs_fused`
+against the eager fused gradients. On the CPU only `eager` runs (Triton-interpreter timings mean nothing; `--quick` is
+the CPU smoke run). A missing Triton module is reported as "unavailable: ...", never a crash. A time budget
+(`--budget-s`, default 210 s on CUDA) keeps the whole run short: the training shapes of both groups run first (code
+head N = 256; contrastive N = 256 at D = 40 and 65,536), then the code head at N = 1M and the contrastive losses at
+N = 65,536, D = 256; cases left when it is spent are "skipped: time budget spent".
+
+Each timed variant reports `ms` (device time per forward+backward), `host_ms` (the host's time to issue one call:
+close to `ms`, the call is overhead-bound), `launches` (device operations per call, from the CUDA profiler) and,
+against each case's `work` (`benchmarks/kernel_roofline.py`: the bytes and FLOPs any implementation must move and
+do), `gb_per_s` and `hbm_util` (share of the card's datasheet HBM bandwidth), plus `tflops` and `tf32_peak_util`
+for the contrastive losses (their products run as TF32 on tensor cores).
 
     python -m benchmarks.bench_kernels --device cuda --json benchmarks/results/nvidia-h200-kernels.json
     python -m benchmarks.bench_kernels --device cpu --quick --json /tmp/kernels-cpu.json
@@ -22,17 +33,19 @@ cases left when it is spent are "skipped: time budget spent".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 import infosieve_kernels as kernels
-from benchmarks import smoke
+from benchmarks import datasheet, kernel_roofline, smoke
 from benchmarks.harness import sync
 from benchmarks.provenance import emit_json
 from infosieve_fast.precision import set_cuda_matmul_tf32
@@ -44,10 +57,13 @@ CON_N = [256, 1024, 4096, 16384, 65536]
 CON_D = [40, 256, 65536]
 QUICK_CODE_N = [256, 4096]
 QUICK_CON = [(64, 40), (256, 256)]
-PRIORITY_CON = [(256, 65536), (65536, 256)]  # the issue's target shapes run first
+TRAINING_CODE_N = [256]  # 2 views x 128 samples
+TRAINING_CON = [(256, 40), (256, 65536)]  # the code branch (L = 40) and the projection (65,536)
+LARGE_FIRST = [("code_head", 1 << 20), ("contrastive", (65536, 256))]  # memory- and compute-bound, run next
 EAGER_NN_FLOATS = 32  # N x N fp32 temporaries alive at the eager contrastive peak (forward + backward), an upper guess
 MEM_FRACTION = 0.8  # of the free GPU memory a case may plan to use
-SUSTAINED_FLOPS = {"fused": 150e12, "compiled": 40e12, "eager": 40e12}  # pessimistic, for skipping slow cases
+# pessimistic, for skipping slow cases
+SUSTAINED_FLOPS = {"fused": 150e12, "fused_compiled": 150e12, "compiled": 40e12, "eager": 40e12}
 MAX_CASE_S = 20.0  # estimated seconds a variant of one case may take (warm-up + timed runs)
 
 
@@ -57,6 +73,17 @@ class Budget:
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What every case runs under: the device, the time budget left, the command's timing settings, the card's
+    datasheet figures (None on the CPU or for a card not tabulated)."""
+
+    device: torch.device
+    budget: Budget
+    args: argparse.Namespace
+    card: datasheet.Card | None
 
 
 def fused_status(module: str) -> str | None:
@@ -69,45 +96,51 @@ def fused_status(module: str) -> str | None:
 
 
 def measure(step, device: torch.device, budget: Budget, reps: int, min_time_s: float) -> dict:
-    """Warm up (compiles happen here), then time `step` (forward+backward) and take its peak memory."""
+    """Warm up (compiles happen here), then time `step` (forward+backward), the host's time to issue it, its launches
+    and its peak memory."""
     t0 = time.perf_counter()
     step()
     sync(device)
     first_s = time.perf_counter() - t0
     step()  # a second warm-up: autotuners and allocator settle
     sync(device)
-    times = []
-    if device.type == "cuda":
-        for _ in range(reps):
+    times, host = [], []
+    for _ in range(reps):
+        if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            step()
+        t = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t) * 1e3)
+        if device.type == "cuda":
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-            if sum(times) / 1e3 >= min_time_s and len(times) >= 3 or budget.left() < 0:
-                break
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        peak_mib = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    else:
-        for _ in range(reps):
-            t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e3)
-            if sum(times) / 1e3 >= min_time_s and len(times) >= 3 or budget.left() < 0:
-                break
-        peak_mib = None
+        else:
+            times.append(host[-1])
+        if sum(times) / 1e3 >= min_time_s and len(times) >= 3 or budget.left() < 0:
+            break
     return {
         "ms": statistics.median(times),
         "ms_min": min(times),
+        "host_ms": statistics.median(host),
         "runs": len(times),
         "first_call_s": round(first_s, 3),
-        "peak_mib": None if peak_mib is None else round(peak_mib, 2),
+        "peak_mib": peak_mib(step, device),
+        "launches": kernel_roofline.count_launches(step, device),
     }
+
+
+def peak_mib(step, device: torch.device) -> float | None:
+    """The memory one call allocates beyond what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return round((torch.cuda.max_memory_allocated(device) - base) / 2**20, 2)
 
 
 def precheck(device, budget: Budget, est_s: float, est_bytes: float) -> str | None:
@@ -123,11 +156,24 @@ def precheck(device, budget: Budget, est_s: float, est_bytes: float) -> str | No
     return None
 
 
-def run_variant(step, device, budget: Budget, args) -> dict:
-    if budget.left() <= 0:
+def run_variant(name: str, grads_of: dict, bench: Bench) -> dict:
+    """Time one variant; the capture checks also compare their gradients with the eager fused call's."""
+    device, args = bench.device, bench.args
+    if bench.budget.left() <= 0:
         return {"skipped": "time budget spent"}
     try:
-        return measure(step, device, budget, args.reps, args.min_time_s)
+        if name == "fused_graph":
+            step, got = kernel_roofline.captured(grads_of["fused"], device)
+        else:
+            step, got = grads_of[name], None
+        breaks_before = graph_breaks()
+        result = measure(step, device, bench.budget, args.reps, args.min_time_s)
+        if name == "fused_compiled":
+            result["graph_breaks"] = graph_breaks() - breaks_before
+            got = step()
+        if got is not None:
+            result["max_rel_diff_vs_fused"] = kernel_roofline.max_rel_diff(got, grads_of["fused"]())
+        return result
     except torch.OutOfMemoryError as exc:
         return {"skipped": f"out of memory: {str(exc).splitlines()[0]}"}
     except Exception as exc:  # report the failure of one variant and go on with the rest
@@ -137,12 +183,20 @@ def run_variant(step, device, budget: Budget, args) -> dict:
             torch.cuda.empty_cache()
 
 
-def run_case(result: dict, plan: dict, estimates: dict, make_inputs, device, budget: Budget, args) -> dict:
-    """Skip what cannot run, make the inputs only if something can, run the rest; add the ratios."""
-    reasons = {name: why or precheck(device, budget, *estimates[name]) for name, why in plan.items()}
-    steps = make_inputs() if any(why is None for why in reasons.values()) else {}
+def graph_breaks() -> int:
+    """Dynamo's graph breaks so far in this process."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def run_case(result: dict, plan: dict, estimates: dict, make_inputs, bench: Bench) -> dict:
+    """Skip what cannot run, make the inputs only if something can, run the rest; add the rates and ratios."""
+    reasons = {name: why or precheck(bench.device, bench.budget, *estimates[name]) for name, why in plan.items()}
+    grads_of = make_inputs() if any(why is None for why in reasons.values()) else {}
     for name, why in reasons.items():
-        result["variants"][name] = {"skipped": why} if why else run_variant(steps[name], device, budget, args)
+        variant = {"skipped": why} if why else run_variant(name, grads_of, bench)
+        if "ms" in variant:
+            variant.update(kernel_roofline.achieved(result["work"], variant["ms"], bench.card))
+        result["variants"][name] = variant
     result["ratios"] = ratios(result)
     return result
 
@@ -150,7 +204,7 @@ def run_case(result: dict, plan: dict, estimates: dict, make_inputs, device, bud
 def ratios(result: dict) -> dict:
     fused = result["variants"].get("fused", {})
     out = {}
-    for other in ("eager", "compiled"):
+    for other in ("eager", "compiled", "fused_compiled", "fused_graph"):
         o = result["variants"].get(other, {})
         if "ms" in fused and "ms" in o and fused["ms"] > 0:
             out[f"{other}_over_fused_time"] = round(o["ms"] / fused["ms"], 3)
@@ -159,25 +213,44 @@ def ratios(result: dict) -> dict:
     return out
 
 
-def variants_for(device: torch.device, fused_missing: str | None, compile_ok: bool) -> dict[str, str | None]:
+def variants_for(
+    device: torch.device, fused_missing: str | None, compile_ok: bool, training_shape: bool
+) -> dict[str, str | None]:
     """{variant: None to run it, or why it is skipped}."""
-    cpu = device.type != "cuda"
+    if device.type != "cuda":
+        return {
+            "fused": "CPU run: Triton-interpreter timings mean nothing",
+            "eager": None,
+            "compiled": "CPU run: reference timings only" if compile_ok else "--no-compile",
+            "fused_graph": "CPU run: CUDA graphs need CUDA",
+            "fused_compiled": "CPU run: the fused kernels need CUDA",
+        }
+    compiled_fused = None if training_shape else "run at the training shapes only (it compiles for each shape)"
     return {
-        "fused": "CPU run: Triton-interpreter timings mean nothing" if cpu else fused_missing,
+        "fused": fused_missing,
         "eager": None,
-        "compiled": ("CPU run: reference timings only" if cpu else None) if compile_ok else "--no-compile",
+        "compiled": None if compile_ok else "--no-compile",
+        "fused_graph": fused_missing,
+        "fused_compiled": fused_missing or (compiled_fused if compile_ok else "--no-compile"),
     }
+
+
+def same_estimate(estimates: dict) -> dict:
+    """The capture checks cost what the fused call costs."""
+    return {**estimates, "fused_graph": estimates["fused"], "fused_compiled": estimates["fused"]}
 
 
 # ---------------------------------------------------------------------------------------------- code head
 
 
-def code_head_case(n: int, device, budget: Budget, args, plan: dict, compiled_fn) -> dict:
-    fns = {
-        "fused": lambda *a: importlib.import_module("infosieve_kernels.code_head_triton").code_head(*a),
-        "eager": reference.code_head,
-        "compiled": compiled_fn,
-    }
+def code_head_case(n: int, bench: Bench, plan: dict, compiled_fn) -> dict:
+    device = bench.device
+
+    def fused(*a):
+        return importlib.import_module("infosieve_kernels.code_head_triton").code_head(*a)
+
+    fns = {"fused": fused, "eager": reference.code_head, "compiled": compiled_fn}
+    fns["fused_compiled"] = torch.compile(fused)
 
     def make_inputs():
         gen = torch.Generator(device=device).manual_seed(n)
@@ -189,18 +262,18 @@ def code_head_case(n: int, device, budget: Budget, args, plan: dict, compiled_fn
         grads += [torch.ones((), device=device)] * 3  # the three loss terms
 
         def make(fn):
-            def step():
+            def grads_of():
                 out = fn(code_feat, mask_feat, 1.0, code_weight, length_weight)  # age 1
-                torch.autograd.backward(list(out), grads)
-                code_feat.grad = mask_feat.grad = None  # freed before the next step's memory baseline
+                return list(torch.autograd.grad(list(out), [code_feat, mask_feat], grads))
 
-            return step
+            return grads_of
 
         return {name: make(fn) for name, fn in fns.items()}
 
     est_bytes = 4 * n * L * 20  # inputs, 4 outputs, their gradients and saved tensors, generously
-    estimates = dict.fromkeys(fns, (est_bytes / 1e12 + 1e-4, est_bytes))
-    return run_case({"N": n, "L": L, "variants": {}}, plan, estimates, make_inputs, device, budget, args)
+    estimates = same_estimate(dict.fromkeys(fns, (est_bytes / 1e12 + 1e-4, est_bytes)))
+    result = {"N": n, "L": L, "work": kernel_roofline.code_head_work(n, L), "variants": {}}
+    return run_case(result, plan, estimates, make_inputs, bench)
 
 
 # ---------------------------------------------------------------------------------------------- contrastive
@@ -213,14 +286,17 @@ def contrastive_loss(info_nce, supcon):
     return loss
 
 
-def contrastive_case(n: int, d: int, device, budget: Budget, args, plan: dict, compiled_fn) -> dict:
+def contrastive_case(n: int, d: int, bench: Bench, plan: dict, compiled_fn) -> dict:
+    device = bench.device
+    fused = contrastive_loss(
+        lambda *a: importlib.import_module("infosieve_kernels.contrastive_triton").info_nce_loss(*a),
+        lambda *a: importlib.import_module("infosieve_kernels.contrastive_triton").supcon_loss(*a),
+    )
     fns = {
-        "fused": contrastive_loss(
-            lambda *a: importlib.import_module("infosieve_kernels.contrastive_triton").info_nce_loss(*a),
-            lambda *a: importlib.import_module("infosieve_kernels.contrastive_triton").supcon_loss(*a),
-        ),
+        "fused": fused,
         "eager": contrastive_loss(reference.info_nce_loss, reference.supcon_loss),
         "compiled": compiled_fn,
+        "fused_compiled": torch.compile(fused),
     }
 
     def make_inputs():
@@ -233,11 +309,10 @@ def contrastive_case(n: int, d: int, device, budget: Budget, args, plan: dict, c
         features = torch.nn.functional.normalize(features, dim=1).requires_grad_(True)
 
         def make(fn):
-            def step():
-                fn(features, labels).backward()
-                features.grad = None  # freed before the next step's memory baseline
+            def grads_of():
+                return list(torch.autograd.grad(fn(features, labels), [features]))
 
-            return step
+            return grads_of
 
         return {name: make(fn) for name, fn in fns.items()}
 
@@ -246,11 +321,12 @@ def contrastive_case(n: int, d: int, device, budget: Budget, args, plan: dict, c
     estimates = {
         name: (
             6 * gram_flops / SUSTAINED_FLOPS[name] + 1e-4,  # 2 losses x (1 forward + 2 backward) Gram-sized GEMMs
-            4 * feat_bytes + (64 * 4 * n if name == "fused" else EAGER_NN_FLOATS * 4 * n * n),
+            4 * feat_bytes + (64 * 4 * n if name.startswith("fused") else EAGER_NN_FLOATS * 4 * n * n),
         )
         for name in fns
     }
-    return run_case({"N": n, "D": d, "variants": {}}, plan, estimates, make_inputs, device, budget, args)
+    result = {"N": n, "D": d, "work": kernel_roofline.contrastive_work(n, d), "variants": {}}
+    return run_case(result, plan, same_estimate(estimates), make_inputs, bench)
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -298,27 +374,22 @@ def main(argv=None) -> int:
         "peak_mib": "torch.cuda.max_memory_allocated during one step, minus what was allocated before it",
     }
     results = {"meta": meta, "code_head": [], "contrastive": []}
-    code_n = QUICK_CODE_N if args.quick else CODE_N
-    con = (
-        QUICK_CON if args.quick else PRIORITY_CON + [(n, d) for n in CON_N for d in CON_D if (n, d) not in PRIORITY_CON]
-    )
-
-    if args.only in (None, "code_head"):
-        plan = variants_for(device, fused_status("code_head_triton"), not args.no_compile)
-        compiled = torch.compile(reference.code_head) if plan["compiled"] is None else None
-        for n in code_n:
-            results["code_head"].append(code_head_case(n, device, budget, args, plan, compiled))
-            _progress(results["code_head"][-1])
-    if args.only in (None, "contrastive"):
-        plan = variants_for(device, fused_status("contrastive_triton"), not args.no_compile)
-        compiled = (
-            torch.compile(contrastive_loss(reference.info_nce_loss, reference.supcon_loss))
-            if plan["compiled"] is None
-            else None
-        )
-        for n, d in con:
-            results["contrastive"].append(contrastive_case(n, d, device, budget, args, plan, compiled))
-            _progress(results["contrastive"][-1])
+    bench = Bench(device, budget, args, datasheet.card(meta["device"]) if device.type == "cuda" else None)
+    meta["datasheet"] = dataclasses.asdict(bench.card) if bench.card else None
+    meta["datasheet_source"] = datasheet.SOURCE
+    groups = [g for g in ("code_head", "contrastive") if args.only in (None, g)]
+    compile_reference = device.type == "cuda" and not args.no_compile
+    compiled = {g: torch.compile(REFERENCES[g]) if compile_reference else None for g in groups}
+    for group, shape in case_order(args.quick):
+        if group not in groups:
+            continue
+        training = shape in (TRAINING_CODE_N if group == "code_head" else TRAINING_CON)
+        plan = variants_for(device, fused_status(f"{group}_triton"), not args.no_compile, training)
+        if group == "code_head":
+            results[group].append(code_head_case(shape, bench, plan, compiled[group]))
+        else:
+            results[group].append(contrastive_case(*shape, bench, plan, compiled[group]))
+        _progress(results[group][-1])
     meta["budget_left_s"] = round(budget.left(), 1)
 
     emit_json(results, args.json, indent=2, echo=not args.json)
@@ -326,6 +397,21 @@ def main(argv=None) -> int:
         print(f"wrote {args.json}", file=sys.stderr)
     errors = [v for group in ("code_head", "contrastive") for r in results[group] for v in r["variants"].values()]
     return 1 if any("error" in v for v in errors) else 0
+
+
+REFERENCES = {
+    "code_head": reference.code_head,
+    "contrastive": contrastive_loss(reference.info_nce_loss, reference.supcon_loss),
+}
+
+
+def case_order(quick: bool) -> list[tuple[str, object]]:
+    """(group, shape) in the order they run: the training shapes of both groups first, then the rest."""
+    if quick:
+        return [("code_head", n) for n in QUICK_CODE_N] + [("contrastive", c) for c in QUICK_CON]
+    first = [("code_head", n) for n in TRAINING_CODE_N] + [("contrastive", c) for c in TRAINING_CON] + LARGE_FIRST
+    rest = [("code_head", n) for n in CODE_N] + [("contrastive", (n, d)) for n in CON_N for d in CON_D]
+    return first + [case for case in rest if case not in first]
 
 
 def _version(module: str) -> str | None:

@@ -9,7 +9,7 @@ bench_loader.py), and both use the same random weights. torch's defaults hold fo
 Step mode (always): for each variant, `--warmup` steps, then `--steps` steps timed between CUDA events (wall clock on
 the CPU), median ms/step, images/s (samples, not views), peak memory, and MFU = the step's FLOPs (counted from the
 published fp32 step with torch's FlopCounterMode) / time / a bf16 peak, twice: `mfu_measured_gemm` against the dense
-bf16 GEMM rate measured in this run, `mfu_datasheet` against the card's datasheet peak (`DATASHEET_BF16_TFLOPS`; null
+bf16 GEMM rate measured in this run, `mfu_datasheet` against the card's datasheet peak (`benchmarks/datasheet.py`; null
 for a card not in that table and for the CPU). The published step reads `loss.item()` after every step. Variants, in
 report order (the default and its fairest baseline first):
   fast_default      infosieve-fast with its default config (on CUDA: torch.compile, train.compile=auto)
@@ -80,7 +80,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks import smoke
+from benchmarks import datasheet, smoke
 from benchmarks.harness import sync, timed
 from benchmarks.provenance import device_name, emit_json, stamp
 from benchmarks.published import train as published
@@ -115,17 +115,6 @@ DEFAULT, FAIREST_BASELINE = "fast_default", "published_bf16"
 CUDA_ONLY = {"fast_all": "needs CUDA: train.compile=on (torch.compile) is CUDA only"}
 KMEANS_INITS = 10  # the published and the default n_init
 
-# Dense bf16 tensor-core peak (TFLOPS) by a case-insensitive substring of the CUDA device name; the first match wins.
-DATASHEET_SOURCE = "NVIDIA datasheet, dense, no sparsity"
-DATASHEET_BF16_TFLOPS = (
-    ("NVL", None),  # H100 NVL / H200 NVL: other clocks and power than the SXM parts, not tabulated here
-    ("H100 PCIe", 756.0),
-    ("H100", 989.4),  # H100 SXM5, named "NVIDIA H100 80GB HBM3" by CUDA
-    ("H200", 989.4),
-    ("A100", 312.0),
-    ("L40S", 362.05),
-)
-
 # Smoke size (benchmarks/smoke.py, INFOSIEVE_BENCH_SMOKE=1): the steps always; every size the command leaves at its
 # default, the backbone and its input geometry as one group (a command that names its backbone keeps its crop).
 SMOKE_STEPS = {"steps": 2, "warmup": 1}
@@ -154,11 +143,6 @@ def bf16_gemm_tflops(device: torch.device) -> float:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     times = time_calls(lambda: a @ b, device, warmup=3, repeats=10)
     return 2 * n**3 / statistics.median(times) / 1e12
-
-
-def datasheet_bf16_tflops(name: str) -> float | None:
-    """The datasheet's dense bf16 peak of the device called `name` (`DATASHEET_BF16_TFLOPS`); None if not there."""
-    return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS if key.lower() in name.lower()), None)
 
 
 def time_calls(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
@@ -662,8 +646,8 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
         "torch": torch.__version__,
         "summary": {},
         "bf16_gemm_tflops": bf16_gemm_tflops(device),
-        "bf16_datasheet_tflops": datasheet_bf16_tflops(name) if device.type == "cuda" else None,
-        "bf16_datasheet_source": DATASHEET_SOURCE,
+        "bf16_datasheet_tflops": datasheet.bf16_tflops(name) if device.type == "cuda" else None,
+        "bf16_datasheet_source": datasheet.SOURCE,
         "settings": {k: (str(v) if isinstance(v, torch.device) else v) for k, v in vars(args).items() if k != "json"},
         "step": {},
         "epoch": {},

@@ -15,7 +15,7 @@ one unit with no number before it ("ms/step", "peak GiB", "× published fp32"; n
 
 Committed results are the files in benchmarks/results/. A JSON leaf takes its unit from its key, read as `_`-separated
 tokens: `s`, `seconds`, `ms`, `minutes`; `mb`, `gb`, `mib`, `gib`, `bytes`; `tflops`; `X_per_s`, `X_per_cpu_s`,
-`X_per_wall_s` (X/s, for images and views); `speedup`, `vs`, `over`, `ratio` (a ratio); `mfu`, `util` (a fraction,
+`X_per_wall_s` (X/s, for images, views and gb); `speedup`, `vs`, `over`, `ratio` (a ratio); `mfu`, `util` (a fraction,
 written as a percentage). A key with no unit takes its parent key's (`phase_seconds: {features: ...}`), or the unit
 that the `unit` string of its object starts with (for that object's numbers and its lists' records).
 `UNIT_OVERRIDES` corrects keys whose producer stores another unit than the key says. The `settings` and `targets`
@@ -207,7 +207,7 @@ def key_unit(key: str, file: str) -> str | None:
         after = [t for t in tokens[tokens.index("per") + 1 :] if t not in ("cpu", "wall")]
         thing = tokens[tokens.index("per") - 1] if tokens.index("per") > 0 else ""
         if after and KEY_UNITS.get(after[0]) == "s":
-            return {"images": "images/s", "views": "views/s"}.get(thing)
+            return {"images": "images/s", "views": "views/s", "gb": "GB/s"}.get(thing)
     for token in tokens:
         if token in KEY_UNITS:
             return UNIT_OVERRIDES.get((file, token), KEY_UNITS[token])

@@ -97,16 +97,6 @@ def test_step_numbers_and_both_mfus(report):
     assert report["bf16_datasheet_source"] == "NVIDIA datasheet, dense, no sparsity"
 
 
-@pytest.mark.parametrize(("name", "tflops"), [
-    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.4),
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA L40S", 362.05),
-    ("NVIDIA H100 NVL", None), ("NVIDIA GeForce RTX 4090", None),
-])  # fmt: skip
-def test_datasheet_peaks_by_device_name(name, tflops):
-    """NVIDIA's dense bf16 figures (half the sparse figures the datasheets lead with); unknown parts give None."""
-    assert bench_train.datasheet_bf16_tflops(name) == tflops
-
-
 def test_fast_epoch_runs_every_step_and_adds_its_checkpoint(report):
     e = report["epoch"]["fast_default"]
     assert e["steps"] == 32 // 8

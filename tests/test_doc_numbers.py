@@ -81,6 +81,7 @@ def test_json_keys_name_their_units_and_overrides_correct_them():
     assert cdn.key_unit("projected_200_epochs_minutes", "x.json") == "min"
     assert cdn.key_unit("images_per_cpu_s", "x.json") == "images/s"
     assert cdn.key_unit("decode_augment_images_per_s_per_core", "x.json") == "images/s"
+    assert cdn.key_unit("gb_per_s", "x.json") == "GB/s"
     assert cdn.key_unit("step_speedup_vs_published_fp32", "x.json") == "×"
     assert cdn.key_unit("eager_over_fused_time", "x.json") == "×"
     assert cdn.key_unit("fastest_step_mfu", "x.json") == "fraction"
