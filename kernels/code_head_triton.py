@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 from contextlib import contextmanager
 
 import torch
@@ -175,7 +174,7 @@ def _fwd_kernel(
     # sizes
     N,
     tiles_per_prog,  # row tiles each program walks
-    # scalars: age and c = 1/(age + 1), each an fp32 hi + lo pair (see _split)
+    # scalars: age and c = 1/(age + 1), each an fp32 hi + lo pair (launch.fp32_pair)
     age_hi,
     age_lo,
     c_hi,
@@ -390,19 +389,9 @@ def _bwd_kernel(
 
 
 # ------------------------------------------------------------------------------------------------------------ host side
-def _to_f32(value: float) -> float:
-    return struct.unpack("f", struct.pack("f", value))[0]
-
-
-def _split(value: float) -> tuple[float, float]:
-    """A double as an fp32 hi/lo pair: hi + lo equals `value` to ~2^-48 relative."""
-    hi = _to_f32(value)
-    return hi, _to_f32(value - hi)
-
-
 def _scalars(age: float) -> tuple[float, float, float, float]:
     """(age_hi, age_lo, c_hi, c_lo) with c = 1/(age + 1): the kernels' fp32 scalar arguments."""
-    return (*_split(age), *_split(1.0 / (age + 1.0)))
+    return (*launch.fp32_pair(age), *launch.fp32_pair(1.0 / (age + 1.0)))
 
 
 _SM_COUNT: dict[int, int] = {}

@@ -188,7 +188,6 @@ def _fwd_kernel(
     sq_stride,
     lab_ptr,  # SupCon labels [N] (-1: row left out); unread for InfoNCE
     rowsum_ptr,  # row sums S_i = sum_j d_ij [N]: written by the ROWSUM_PASS launch, read by the next one
-    params_ptr,  # [1 / temperature, label smoothing (InfoNCE) or temperature / base_temperature (SupCon)]
     lse_ptr,  # out: per-row log-sum-exp [N], kept for the backward
     out_ptr,  # out: per-row loss term [N]
     aux_ptr,  # out (SupCon): 1 / |P(i)|, the inverse positive count, 0 for a row without a positive [N]
@@ -199,6 +198,12 @@ def _fwd_kernel(
     stride_xr,
     stride_xc,
     half,  # B = N / 2: row i's positive in InfoNCE is i +- B
+    # scalars, each an fp32 hi + lo pair (launch.fp32_pair): 1 / temperature, and label smoothing (InfoNCE) or
+    # temperature / base_temperature (SupCon)
+    inv_t_hi,
+    inv_t_lo,
+    coef_hi,
+    coef_lo,
     # meta-parameters
     SUPCON: tl.constexpr,  # SupCon over labels, else InfoNCE over 2 views
     ROWSUM_NORMALIZE: tl.constexpr,  # divide d_ij by (S_j + eps)
@@ -215,7 +220,7 @@ def _fwd_kernel(
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask, sq_r, s_r, lab_r, keep_r = _side(rows, N, sq_ptr, sq_stride, lab_ptr, NORMALIZE, SUPCON, ACC)
     pos_r = tl.where(rows < half, rows + half, rows - half)
-    inv_t = tl.load(params_ptr)
+    inv_t = tl.cast(inv_t_hi, ACC) + tl.cast(inv_t_lo, ACC)
     m_i = tl.full([BM], float("-inf"), ACC)
     z_i = tl.zeros([BM], dtype=ACC)
     sum_l = tl.zeros([BM], dtype=ACC)
@@ -258,7 +263,7 @@ def _fwd_kernel(
             tl.store(aux_ptr + rows, inv_np, mask=rmask)
             tl.store(lse_ptr + rows, tl.where(anchor, lse, 0.0), mask=rmask)
         else:
-            smoothing = tl.load(params_ptr + 1)
+            smoothing = tl.cast(coef_hi, ACC) + tl.cast(coef_lo, ACC)
             term = (1.0 - smoothing) * (lse - sum_pos) + smoothing * (lse - sum_l / (N - 1))
             tl.store(lse_ptr + rows, lse, mask=rmask)
         tl.store(out_ptr + rows, term, mask=rmask)
@@ -266,14 +271,16 @@ def _fwd_kernel(
 
 @triton.jit
 def _finalize_kernel(
-    # pointers: the forward's row terms and 1/|P(i)|, its parameters; out: the loss and the anchor count
+    # pointers: the forward's row terms and 1/|P(i)|; out: the loss and the anchor count
     out_ptr,
     aux_ptr,
-    params_ptr,
     loss_ptr,
     cnt_ptr,
     # size
     N,
+    # SupCon's temperature / base_temperature, an fp32 hi + lo pair
+    ratio_hi,
+    ratio_lo,
     # meta-parameters
     SUPCON: tl.constexpr,
     BLOCK: tl.constexpr,  # rows summed per loop step
@@ -290,7 +297,7 @@ def _finalize_kernel(
     total = tl.sum(tot, axis=0)
     if SUPCON:
         n_anchor = tl.sum(cnt, axis=0)
-        ratio = tl.load(params_ptr + 1)  # temperature / base_temperature
+        ratio = tl.cast(ratio_hi, out_ptr.dtype.element_ty) + tl.cast(ratio_lo, out_ptr.dtype.element_ty)
         loss = tl.where(n_anchor > 0, -ratio * total / tl.maximum(n_anchor, 1.0), 0.0)
         tl.store(cnt_ptr, n_anchor)
     else:
@@ -310,7 +317,6 @@ def _bwd_kernel(
     sigma_ptr,  # sigma_i = dL/dS_i [N]: written by the SIGMA launch, read by the next one
     lse_ptr,
     aux_ptr,
-    params_ptr,
     gout_ptr,  # the upstream gradient of the loss (a scalar on the device)
     cnt_ptr,  # SupCon: the number of anchors, from _finalize_kernel
     o_ptr,  # out: dL/dF [N, D], or the matrix M [N, N] with dL/dF = M F when FROM_G
@@ -323,6 +329,11 @@ def _bwd_kernel(
     stride_or,
     stride_oc,
     half,
+    # scalars (as in _fwd_kernel)
+    inv_t_hi,
+    inv_t_lo,
+    coef_hi,
+    coef_lo,
     # meta-parameters (those shared with _fwd_kernel mean the same)
     SUPCON: tl.constexpr,
     ROWSUM_NORMALIZE: tl.constexpr,
@@ -345,8 +356,8 @@ def _bwd_kernel(
         S_r = tl.load(rowsum_ptr + rows, mask=rmask, other=1.0)
         if not SIGMA:
             sig_r = tl.load(sigma_ptr + rows, mask=rmask, other=0.0)
-    inv_t = tl.load(params_ptr)
-    smoothing_or_ratio = tl.load(params_ptr + 1)
+    inv_t = tl.cast(inv_t_hi, ACC) + tl.cast(inv_t_lo, ACC)
+    smoothing_or_ratio = tl.cast(coef_hi, ACC) + tl.cast(coef_lo, ACC)
     g_out = tl.load(gout_ptr).to(ACC)
     if SUPCON:
         coef = -g_out * smoothing_or_ratio / tl.maximum(tl.load(cnt_ptr), 1.0)
@@ -480,13 +491,6 @@ def _pick_gram(n: int, d: int, gram: str | None) -> str:
     return "mm" if n <= MM_MAX_ROWS or (d >= MM_MIN_DIM and n <= MM_MAX_ROWS_WIDE) else "triton"
 
 
-def _params(values, dtype, device) -> Tensor:
-    """Scalars as a device tensor in the accumulation dtype (a Python float argument would be fp32), no host sync."""
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
 def _check_features(features: Tensor, name: str) -> None:
     if not isinstance(features, Tensor):
         raise TypeError(f"{name}: features must be a torch.Tensor, got {type(features).__name__}")
@@ -560,7 +564,7 @@ class _Contrastive(torch.autograd.Function):
         acc = launch.compute_dtype(features.dtype)
         cfg = _config(acc, d)
         normalize = not supcon
-        params = _params([inv_t, smoothing_or_ratio], acc, dev)
+        scalars = (*launch.fp32_pair(inv_t), *launch.fp32_pair(smoothing_or_ratio))
         lse = launch.new_buffer((n,), acc, dev)
         out = launch.new_buffer((n,), acc, dev)
         aux = launch.new_buffer((n,), acc, dev) if supcon else lse
@@ -571,8 +575,8 @@ class _Contrastive(torch.autograd.Function):
         from_g = gram == "mm" or given_g is not None
         with launch.device_ctx(features):
             g, sq, sq_stride, bm, bn = _gram_and_norms(features, given_g, from_g, acc, cfg)
-            args = (features, g if from_g else features, sq, sq_stride, lab, rowsums, params, lse, out, aux, n, d)
-            args += (features.stride(0), features.stride(1), n // 2)
+            args = (features, g if from_g else features, sq, sq_stride, lab, rowsums, lse, out, aux, n, d)
+            args += (features.stride(0), features.stride(1), n // 2, *scalars)
             for rowsum_pass in (True, False) if rowsum_normalize else (False,):
                 _fwd_kernel[(triton.cdiv(n, bm),)](
                     *args,
@@ -588,19 +592,20 @@ class _Contrastive(torch.autograd.Function):
                     PREC=DOT_PRECISION,
                     num_warps=cfg["warps"] if not from_g else 4,
                 )
-            _finalize_kernel[(1,)](out, aux, params, loss, cnt, n, SUPCON=supcon, BLOCK=1024, num_warps=4)
-        ctx.save_for_backward(features, lab, g if from_g else sq, lse, aux, rowsums, params, cnt)
+            _finalize_kernel[(1,)](out, aux, loss, cnt, n, *scalars[2:], SUPCON=supcon, BLOCK=1024, num_warps=4)
+        ctx.save_for_backward(features, lab, g if from_g else sq, lse, aux, rowsums, cnt)
         ctx.flags = (supcon, rowsum_normalize, from_g, given_g is not None)
+        ctx.scalars = scalars
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        features, lab, g_or_sq, lse, aux, rowsums, params, cnt = ctx.saved_tensors
+        features, lab, g_or_sq, lse, aux, rowsums, cnt = ctx.saved_tensors
         supcon, rowsum_normalize, from_g, to_g = ctx.flags
         n, d = features.shape
         dev = features.device
-        acc = params.dtype
+        acc = lse.dtype
         cfg = _config(acc, d)
         gout = grad_out.detach().to(acc).reshape(())
         if from_g:
@@ -619,18 +624,18 @@ class _Contrastive(torch.autograd.Function):
             BK=cfg["BK"],
             PREC=DOT_PRECISION,
         )
-        head = (features, g_or_sq, sq, sq_stride, lab, rowsums, sigma, lse, aux, params, gout, cnt)
+        head = (features, g_or_sq, sq, sq_stride, lab, rowsums, sigma, lse, aux, gout, cnt)
         xs = (features.stride(0), features.stride(1))
         warps = 4 if from_g else cfg["warps"]
         with launch.device_ctx(features):
             if rowsum_normalize:
                 _bwd_kernel[(triton.cdiv(n, bm), 1)](
-                    *head, sigma, n, d, *xs, 0, 0, n // 2, SIGMA=True, BD=16, num_warps=warps, **consts
+                    *head, sigma, n, d, *xs, 0, 0, n // 2, *ctx.scalars, SIGMA=True, BD=16, num_warps=warps, **consts
                 )
             if from_g:
                 m = launch.new_buffer((n, n), acc, dev)
                 _bwd_kernel[(triton.cdiv(n, bm), 1)](
-                    *head, m, n, d, *xs, n, 1, n // 2, SIGMA=False, BD=16, num_warps=warps, **consts
+                    *head, m, n, d, *xs, n, 1, n // 2, *ctx.scalars, SIGMA=False, BD=16, num_warps=warps, **consts
                 )
                 if to_g:
                     grad = None
@@ -640,7 +645,8 @@ class _Contrastive(torch.autograd.Function):
                 grad = launch.new_buffer((n, d), features.dtype, dev)
                 bd = cfg["BD"]
                 _bwd_kernel[(triton.cdiv(n, bm), triton.cdiv(d, bd))](
-                    *head, grad, n, d, *xs, *grad.stride(), n // 2, SIGMA=False, BD=bd, num_warps=warps, **consts
+                    *head, grad, n, d, *xs, *grad.stride(), n // 2, *ctx.scalars, SIGMA=False, BD=bd, num_warps=warps,
+                    **consts,
                 )
         if to_g:
             return None, None, None, None, None, None, None, m * 0.5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -37,3 +38,14 @@ def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
 def device_ctx(tensor: Tensor) -> AbstractContextManager:
     """Makes `tensor`'s GPU the current device for a launch (Triton launches on the current device)."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext()
+
+
+def fp32_pair(value: float) -> tuple[float, float]:
+    """A double as an fp32 hi/lo pair, the kernels' scalar arguments (Triton passes a Python float as fp32): hi + lo,
+    summed in the kernel's compute dtype, is `value` to ~2^-48 relative in fp64 and fp32(value) in fp32."""
+    hi = _to_f32(value)
+    return hi, _to_f32(value - hi)
+
+
+def _to_f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
