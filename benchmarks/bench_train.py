@@ -13,12 +13,12 @@ bf16 GEMM rate measured in this run, `mfu_datasheet` against the card's datashee
 for a card not in that table and for the CPU). The published step reads `loss.item()` after every step. Variants, in
 report order (the default and its fairest baseline first):
   fast_default      infosieve-fast with its default config (on CUDA: torch.compile, train.compile=auto)
-  fast_eager        fast_default + train.compile=off (the default before compiling was: what earlier results call
-                    fast_default)
+  fast_eager        fast_default + train.compile=off + train.checkpoint_blocks=off (the default before compiling and
+                    recomputing were: what earlier results call fast_default)
   published_bf16    the published step under bf16 autocast, what a user tries first
   published_fp32    the published step, fp32
   fast_frozen_bf16  fast_default + train.frozen_bf16
-  fast_checkpoint   fast_default + train.checkpoint_blocks (memory, not speed)
+  fast_checkpoint   fast_default + train.checkpoint_blocks=on (the trained blocks recomputed: memory, not speed)
   fast_all          fast_default + train.frozen_bf16, compiled (train.compile=on; CUDA)
 A variant that needs CUDA is recorded as {"skipped": reason} on the CPU.
 
@@ -34,7 +34,9 @@ For each of `--epoch-variants`:
   fast epoch        `Trainer.train_epoch` after a 2-step warm-up epoch: the feature pass, SS-k-means pseudo-labels
                     (10 restarts x 10 iterations, balanced) and all N // batch steps (`epoch_seconds`), then the
                     checkpoint `infosieve train` writes after every epoch (`checkpoint_seconds`;
-                    `epoch_with_checkpoint_seconds` is the sum);
+                    `epoch_with_checkpoint_seconds` is the sum), then an evaluation (test-view pass, k-means,
+                    scoring) twice: `evaluation_seconds` records the frozen prefix's tokens where the token cache
+                    applies (`token_cache`: where they are kept), `evaluation_replay_seconds` replays them;
   published_epoch_minimal
                     measured on the same weights right after: the minimal composition (feature pass, pseudo-label
                     k-means, steps), as `published_epoch` runs it without `released`;
@@ -96,9 +98,9 @@ from infosieve_fast.precision import set_cuda_matmul_tf32
 
 FAST_VARIANTS = {
     "fast_default": [],
-    "fast_eager": ["train.compile=off"],
+    "fast_eager": ["train.compile=off", "train.checkpoint_blocks=off"],
     "fast_frozen_bf16": ["train.frozen_bf16=true"],
-    "fast_checkpoint": ["train.checkpoint_blocks=true"],
+    "fast_checkpoint": ["train.checkpoint_blocks=on"],
     "fast_all": ["train.frozen_bf16=true", "train.compile=on"],
 }
 PUBLISHED_VARIANTS = {"published_fp32": False, "published_bf16": True}  # the value: bf16 autocast
@@ -393,7 +395,9 @@ def stand_in_features(args, data: EpochData, feat_dim: int, code_length: int) ->
 
 def time_fast_epoch(trainer: Trainer, device: torch.device) -> dict:
     """A warm-up epoch of 2 steps (the compile, every kernel and k-means path once), then one whole epoch, then the
-    checkpoint `infosieve train` writes after it."""
+    checkpoint `infosieve train` writes after it, then two evaluations (`train.eval_every`'s, and those before and
+    after training): the first records the test view's frozen-prefix tokens where the token cache applies, the second
+    replays them."""
     trainer.cfg.train.max_steps_per_epoch = 2
     trainer.train_epoch(0)
     trainer.cfg.train.max_steps_per_epoch = None
@@ -406,12 +410,20 @@ def time_fast_epoch(trainer: Trainer, device: torch.device) -> dict:
         t0 = time.perf_counter()
         ckpt.save_checkpoint(run_dir, trainer.state_dict(2, {}))
         checkpoint_s = time.perf_counter() - t0
+    evaluations = []
+    for _ in range(2):
+        with timed(device) as evaluation:
+            trainer.evaluate()
+        evaluations.append(evaluation.seconds)
     return {
         "steps": record["steps"],
         "epoch_seconds": epoch_s,
         "phase_seconds": {k: record[f"seconds_{k}"] for k in ("features", "kmeans", "steps")},
         "checkpoint_seconds": checkpoint_s,
         "epoch_with_checkpoint_seconds": epoch_s + checkpoint_s,
+        "evaluation_seconds": evaluations[0],
+        "evaluation_replay_seconds": evaluations[1],
+        "token_cache": dict(trainer.token_cache.placement),  # split -> where its tokens are kept
         "projected_200_epochs_minutes": 200 * epoch_s / 60,
         **trainer.compiled.fields(),
     }

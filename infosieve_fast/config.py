@@ -190,7 +190,11 @@ class TrainConfig:
     # the frozen prefix's tokens of the test-view passes kept and replayed: "auto" (on the GPU if they fit, else in RAM
     # below data.memory_threshold_mb, else recomputed) | "off" (infosieve_fast/token_cache.py)
     token_cache: str = "auto"
-    checkpoint_blocks: bool = False  # recompute the trained ViT blocks' activations in backward (less memory)
+    # what the trained ViT blocks keep for the backward pass: "cheap" the matrix products' and attention's outputs (the
+    # cheap ops between them are recomputed) | "auto" cheap on the GPU for an eager block, else off | "on" only their
+    # inputs (the whole blocks recomputed) | "off" everything (the reference); the gradients are the same bit for bit
+    # (infosieve_fast/recompute.py)
+    checkpoint_blocks: str = "auto"
     # each epoch's checkpoint serialised and fsynced in a writer thread while the next epoch runs (its state copied to
     # host memory first); the next checkpoint and the end of the run wait for it, and a failed write is raised there
     background_checkpoint: bool = True

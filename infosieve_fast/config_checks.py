@@ -35,6 +35,7 @@ CHOICES = {
     "checkpoint.best": ("none", "labelled_holdout", "kmeans_objective"),
     "train.compile": ("auto", "on", "off"),  # true/false in YAML read as on/off
     "train.token_cache": ("auto", "off"),
+    "train.checkpoint_blocks": ("auto", "cheap", "on", "off"),  # true/false in YAML read as on/off
 }
 
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import timm
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import Tensor, nn
 
 import infosieve_kernels as kernels
 from infosieve_kernels.layers import mlp, trunc_normal_init
 
+from . import recompute
 from .config import ModelConfig
 
 _BLOCK_INDEX = re.compile(r"blocks?\.(\d+)\.")
@@ -47,8 +47,11 @@ class Backbone(nn.Module):
     included) instead of under fp32-autocast: autocast keeps LayerNorm and the residual adds in fp32 and casts every
     activation back to bf16, which costs more than the frozen blocks' matmuls on a GPU. Off by default.
 
-    `checkpoint_trained=True` keeps only the inputs of the trained blocks and recomputes their activations in the
-    backward pass (torch.utils.checkpoint): less memory for one more forward of those blocks. Off by default.
+    `checkpoint_trained` (`train.checkpoint_blocks`, `recompute.py`): what the trained blocks keep for the backward
+    pass. "cheap" keeps the matrix products' and attention's outputs and recomputes the cheap ops between them; "auto"
+    is "cheap" on the GPU for a block not compiled, else "off"; "on" recomputes the whole blocks (the least memory,
+    one more forward of them); "off" keeps everything. A backbone that is not a split ViT has no trained blocks to
+    treat: "auto" leaves it as it is, "cheap" and "on" are refused.
     """
 
     def __init__(
@@ -57,14 +60,17 @@ class Backbone(nn.Module):
         feat_dim: int,
         grad_from_block: int | None,
         frozen_bf16: bool = False,
-        checkpoint_trained: bool = False,
+        checkpoint_trained: str = "off",
     ):
         super().__init__()
         self.net, self.feat_dim, self.grad_from_block = net, feat_dim, grad_from_block
         for name, param in net.named_parameters():
             param.requires_grad = grad_from_block is None or _block_index(name) >= grad_from_block
         self._split_vit = grad_from_block is not None and hasattr(net, "blocks") and hasattr(net, "patch_embed")
-        for name, on in (("frozen_bf16", frozen_bf16), ("checkpoint_blocks", checkpoint_trained)):
+        if checkpoint_trained not in recompute.MODES:
+            raise ValueError(f"train.checkpoint_blocks must be one of {recompute.MODES}, got {checkpoint_trained!r}")
+        recomputing = checkpoint_trained in ("cheap", "on")
+        for name, on in (("frozen_bf16", frozen_bf16), ("checkpoint_blocks", recomputing)):
             if on and not self._split_vit:
                 raise ValueError(
                     f"train.{name} needs a timm ViT backbone with model.grad_from_block set (a frozen block prefix)"
@@ -124,10 +130,7 @@ class Backbone(nn.Module):
         else:
             x = x.float() if self.frozen_bf16 else x
         for block in net.blocks[g:]:
-            if self.checkpoint_trained and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = recompute.run_trained_block(block, x, self.checkpoint_trained)
         return net.forward_head(net.norm(x), pre_logits=True)
 
 
@@ -142,7 +145,7 @@ def build_backbone(
     net: nn.Module | None = None,
     feat_dim: int | None = None,
     frozen_bf16: bool = False,
-    checkpoint_trained: bool = False,
+    checkpoint_trained: str = "off",
 ) -> Backbone:
     """The backbone from `net` (any module, with `feat_dim`), or `cfg.backbone` (a name in `backbones.BACKBONES`, or a
     timm model) + a local checkpoint."""
@@ -348,14 +351,14 @@ class InfoSieve(nn.Module):
         n_old: int,
         backbone: Backbone | None = None,
         frozen_bf16: bool = False,
-        checkpoint_trained: bool = False,
+        checkpoint_trained: str = "off",
         kernel_backend: str = "auto",
         labeller_grad_stop: str = "none",
     ):
         super().__init__()
         if backbone is None:
             backbone = build_backbone(cfg, frozen_bf16=frozen_bf16, checkpoint_trained=checkpoint_trained)
-        elif frozen_bf16 or checkpoint_trained:
+        elif frozen_bf16 or checkpoint_trained in ("cheap", "on"):  # "auto" leaves a custom backbone as it was built
             raise ValueError(
                 "train.frozen_bf16 / train.checkpoint_blocks apply to the backbone built from the config; for a custom "
                 "backbone pass them to Backbone(...) yourself"

@@ -105,6 +105,14 @@ def test_fast_epoch_runs_every_step_and_adds_its_checkpoint(report):
     assert report["summary"]["projected_200_epochs_minutes"] == pytest.approx(200 * e["epoch_seconds"] / 60)
 
 
+def test_fast_epoch_times_an_evaluation_recording_then_replaying_the_test_view_tokens(report):
+    """The split ViT's frozen prefix keeps no running statistics, so the first evaluation keeps its tokens (in RAM on
+    the CPU) and the second replays them."""
+    e = report["epoch"]["fast_default"]
+    assert e["token_cache"] == {"train": "cpu"}
+    assert e["evaluation_seconds"] > 0 and e["evaluation_replay_seconds"] > 0
+
+
 def test_published_epochs_project_exactly_what_they_say(report):
     """Minimal: every step measured, the k-means phase x 10 / 1 restart. As released (--as-released-subset 12 of 32
     train and 12 test images): 1 of 4 steps, 12 of 32 and 12 of 12 images, each phase scaled by its factor."""

@@ -59,26 +59,9 @@ def test_frozen_bf16_runs_the_frozen_prefix_in_bf16_and_trains_the_rest_in_fp32(
     assert all(p.dtype == torch.float32 for p in restored.parameters())
 
 
-@pytest.mark.parametrize("switch", ["frozen_bf16", "checkpoint_trained"])
-def test_precision_and_memory_switches_need_a_frozen_vit_prefix(switch):
+def test_frozen_bf16_needs_a_frozen_vit_prefix():
     with pytest.raises(ValueError, match="needs a timm ViT backbone"):
-        build_backbone(tiny_cfg(grad_from_block=None), **{switch: True})
-
-
-def test_checkpointed_blocks_give_the_same_output_and_gradients():
-    torch.manual_seed(0)
-    plain = build_backbone(tiny_cfg(grad_from_block=2))
-    checkpointed = build_backbone(tiny_cfg(grad_from_block=2), checkpoint_trained=True)
-    checkpointed.load_state_dict(plain.state_dict())
-    x = torch.randn(3, 3, 32, 32)
-    outs = [m(x) for m in (plain, checkpointed)]
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
-    for out in outs:
-        (out * torch.arange(out.shape[1])).sum().backward()
-    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
-        assert (a.grad is None) == (b.grad is None), name
-        if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+        build_backbone(tiny_cfg(grad_from_block=None), frozen_bf16=True)
 
 
 def test_grad_from_block_none_trains_everything():
