@@ -20,7 +20,8 @@
 #   resume         a run killed after epoch 1 and resumed on CUDA; a step under set_sync_debug_mode("error")
 #   demo           the demo on CUDA
 # Each step runs under a timeout of at most its own limit and what is left of the budget; a step that no longer fits
-# is skipped and says so. The caller names the commit (the device copy of the tree may hold a stale .git);
+# is skipped and says so. GPU_CHECK_STEPS=train,kernels (a comma list of step names) runs only those, so a second
+# run in the same lease can finish what the first one skipped. The caller names the commit (the device copy of the tree may hold a stale .git);
 # GPU_CHECK_DIRTY=1 marks an uncommitted tree. The tree hash in every JSON is computed from the files that ran.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -30,6 +31,13 @@ default_results=benchmarks/results
 RESULTS=${1:-${RESULTS_DIR:-$default_results}}
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-360}
+STEP_NAMES=preflight,kmeans-in1k,epoch-in1k,cache-herb19,train,kernels,parity,resume,demo
+for selected in ${GPU_CHECK_STEPS//,/ }; do
+  if [[ ",$STEP_NAMES," != *",$selected,"* ]]; then
+    echo "GPU_CHECK_STEPS: no step is called '$selected'; the steps: $STEP_NAMES" >&2
+    exit 2
+  fi
+done
 mkdir -p "$RESULTS"
 
 if [ "$SMOKE" = 1 ]; then
@@ -70,6 +78,10 @@ started=$SECONDS
 
 step() {  # step NAME LIMIT_S CMD...: run under min(LIMIT_S, budget left), log to NAME.log, record, pack
   local name=$1 limit=$2; shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ ",$GPU_CHECK_STEPS," != *",$name,"* ]]; then
+    echo "$name: not selected (GPU_CHECK_STEPS=$GPU_CHECK_STEPS)" | tee -a "$summary"
+    return
+  fi
   local left=$((BUDGET - (SECONDS - started)))
   local secs=$((limit < left ? limit : left))
   if [ "$secs" -lt 15 ]; then
@@ -96,7 +108,7 @@ step() {  # step NAME LIMIT_S CMD...: run under min(LIMIT_S, budget left), log t
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $commit dirty=$dirty tree_hash=$("$PY" -m benchmarks.provenance)"
-  echo "budget: ${BUDGET}s of work"
+  echo "budget: ${BUDGET}s of work; steps: ${GPU_CHECK_STEPS:-all}"
   nvidia-smi 2>/dev/null || echo "nvidia-smi: not available"
 } >"$out/env.txt" 2>&1
 cp "$out/env.txt" "$summary"
