@@ -105,6 +105,18 @@ def test_fast_epoch_runs_every_step_and_adds_its_checkpoint(report):
     assert report["summary"]["projected_200_epochs_minutes"] == pytest.approx(200 * e["epoch_seconds"] / 60)
 
 
+def test_the_200_epoch_projection_overlaps_each_checkpoint_write_with_the_next_epoch(report):
+    """By default training waits for the host snapshot only; the write runs during the next epoch, so an epoch's cycle
+    is the snapshot plus the longer of the epoch and the write."""
+    e = report["epoch"]["fast_default"]
+    snapshot, write = e["checkpoint_snapshot_seconds"], e["checkpoint_write_seconds"]
+    assert snapshot > 0 and write > 0
+    assert e["epoch_cycle_seconds"] == pytest.approx(snapshot + max(e["epoch_seconds"], write))
+    assert report["summary"]["projected_200_epochs_with_checkpoint_minutes"] == pytest.approx(
+        200 * e["epoch_cycle_seconds"] / 60
+    )
+
+
 def test_fast_epoch_times_an_evaluation_recording_then_replaying_the_test_view_tokens(report):
     """The split ViT's frozen prefix keeps no running statistics, so the first evaluation keeps its tokens (in RAM on
     the CPU) and the second replays them."""
