@@ -64,8 +64,9 @@ def count_launches(call: Callable[[], object], device: torch.device) -> int | No
 
 
 def captured(grads_of: Callable[[], list[Tensor]], device: torch.device) -> tuple[Callable[[], None], list[Tensor]]:
-    """`grads_of` captured in a CUDA graph after a warm-up on a side stream (as CUDA graph capture requires):
-    (a replay callable, the tensors each replay writes its gradients into)."""
+    """`grads_of` captured in a CUDA graph after a warm-up on the side stream the capture then uses (so that per-stream
+    library handles and workspaces exist before capture): (a replay callable, the tensors each replay writes its
+    gradients into)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -73,7 +74,7 @@ def captured(grads_of: Callable[[], list[Tensor]], device: torch.device) -> tupl
             grads_of()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         static = grads_of()
     return graph.replay, static
 
