@@ -32,7 +32,8 @@ RESULTS=${1:-${RESULTS_DIR:-$default_results}}
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-360}
 STEP_NAMES=preflight,kmeans-in1k,epoch-in1k,cache-herb19,train,kernels,parity,resume,demo
-for selected in ${GPU_CHECK_STEPS//,/ }; do
+selection=${GPU_CHECK_STEPS:-}
+for selected in ${selection//,/ }; do
   if [[ ",$STEP_NAMES," != *",$selected,"* ]]; then
     echo "GPU_CHECK_STEPS: no step is called '$selected'; the steps: $STEP_NAMES" >&2
     exit 2
