@@ -13,12 +13,12 @@ Variants: `fused` (the Triton modules `kernels/code_head_triton.py` and `kernels
 directly), `eager` (`kernels.reference`), `compiled` (`torch.compile(reference)`), and two checks that the fused
 kernels can be captured: `fused_graph` (the fused forward+backward captured once in a CUDA graph and replayed: the
 device's time with no host work per call) and `fused_compiled` (`torch.compile` around the fused call, at the
-training shapes only; `graph_breaks` counts where dynamo fell back to Python). Both report `max_rel_diff_vs_fused`
-against the eager fused gradients. On the CPU only `eager` runs (Triton-interpreter timings mean nothing; `--quick` is
-the CPU smoke run). A missing Triton module is reported as "unavailable: ...", never a crash. A time budget
-(`--budget-s`, default 210 s on CUDA) keeps the whole run short: the training shapes of both groups run first (code
-head N = 256; contrastive N = 256 at D = 40 and 65,536), then the code head at N = 1M and the contrastive losses at
-N = 65,536, D = 256; cases left when it is spent are "skipped: time budget spent".
+training shapes only; `graph_breaks` counts where dynamo fell back to Python, `graph_break_reasons` says why). Both
+report `max_rel_diff_vs_fused` against the eager fused gradients. On the CPU only `eager` runs (Triton-interpreter
+timings mean nothing; `--quick` is the CPU smoke run). A missing Triton module is reported as "unavailable: ...",
+never a crash. A time budget (`--budget-s`, default 210 s on CUDA) keeps the whole run short: the training shapes of
+both groups run first (code head N = 256; contrastive N = 256 at D = 40 and 65,536), then the code head at N = 1M
+and the contrastive losses at N = 65,536, D = 256; cases left when it is spent are "skipped: time budget spent".
 
 Each timed variant reports `ms` (device time per forward+backward), `host_ms` (the host's time to issue one call:
 close to `ms`, the call is overhead-bound), `launches` (device operations per call, from the CUDA profiler) and,
@@ -169,7 +169,7 @@ def run_variant(name: str, grads_of: dict, bench: Bench) -> dict:
         breaks_before = graph_breaks()
         result = measure(step, device, bench.budget, args.reps, args.min_time_s)
         if name == "fused_compiled":
-            result["graph_breaks"] = graph_breaks() - breaks_before
+            result.update(breaks_since(breaks_before))
             got = step()
         if got is not None:
             result["max_rel_diff_vs_fused"] = kernel_roofline.max_rel_diff(got, grads_of["fused"]())
@@ -183,9 +183,15 @@ def run_variant(name: str, grads_of: dict, bench: Bench) -> dict:
             torch.cuda.empty_cache()
 
 
-def graph_breaks() -> int:
-    """Dynamo's graph breaks so far in this process."""
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks so far in this process, by reason."""
+    return dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def breaks_since(before: dict[str, int]) -> dict:
+    """The graph breaks added since `before`: their count, and the first reasons (what to fix for a whole graph)."""
+    added = {reason: n - before.get(reason, 0) for reason, n in graph_breaks().items() if n > before.get(reason, 0)}
+    return {"graph_breaks": sum(added.values()), "graph_break_reasons": [r[:300] for r in list(added)[:5]]}
 
 
 def run_case(result: dict, plan: dict, estimates: dict, make_inputs, bench: Bench) -> dict:

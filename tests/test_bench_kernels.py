@@ -61,5 +61,17 @@ def test_a_capture_check_reports_its_distance_from_the_fused_gradients(scale, di
     grads_of = {"fused": code_head_grads(1.0), "fused_compiled": code_head_grads(scale)}
     result = bench_kernels.run_variant("fused_compiled", grads_of, bench)
     assert result["max_rel_diff_vs_fused"] == pytest.approx(diff, abs=1e-12)
-    assert result["graph_breaks"] == 0 and result["runs"] == 3 and result["launches"] is None
+    assert result["graph_breaks"] == 0 and result["graph_break_reasons"] == []
+    assert result["runs"] == 3 and result["launches"] is None
+
+
+def test_graph_breaks_are_counted_with_their_reasons(monkeypatch):
+    counters = {"graph_break": {"a reason": 2}}
+    monkeypatch.setattr(torch._dynamo.utils, "counters", counters)
+    before = bench_kernels.graph_breaks()
+    counters["graph_break"] = {"a reason": 3, "another reason": 1}
+    assert bench_kernels.breaks_since(before) == {
+        "graph_breaks": 2,
+        "graph_break_reasons": ["a reason", "another reason"],
+    }
 
