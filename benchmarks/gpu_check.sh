@@ -19,6 +19,9 @@
 #   parity         every kernel parity test on CUDA
 #   resume         a run killed after epoch 1 and resumed on CUDA; a step under set_sync_debug_mode("error")
 #   demo           the demo on CUDA
+# Then the issues' GPU targets against what the run measured (benchmarks/gpu_targets.py) go into summary.txt and
+# targets.json. To commit a run: python -m benchmarks.gpu_targets <card>-gpu-check.tar.gz --into benchmarks/results
+# (each file as <card>-<file>, never over an existing one).
 # Each step runs under a timeout of at most its own limit and what is left of the budget; a step that no longer fits
 # is skipped and says so. GPU_CHECK_STEPS=train,kernels (a comma list of step names) runs only those, so a second
 # run in the same lease can finish what the first one skipped. The caller names the commit (the device copy of the tree may hold a stale .git);
@@ -146,6 +149,11 @@ demo_epochs=()
 step demo 45 "$PY" -m infosieve_fast.cli train --config configs/demo.yaml --out "$work/demo-run" \
   --set train.device="$DEVICE" "${demo_epochs[@]}"
 cp "$work/demo-run/metrics.json" "$out/demo-metrics.json" 2>/dev/null
+
+# the issues' targets against this run's results (benchmarks/gpu_targets.py), into the summary and targets.json
+{ echo; "$PY" -m benchmarks.gpu_targets "$out" --json "$out/targets.json"; } >>"$summary" 2>&1 \
+  || echo "targets: FAILED (see above)" >>"$summary"
+pack
 
 echo "=== summary ($archive)"
 echo "total: $((SECONDS - started)) s of work" | tee -a "$summary"

@@ -24,9 +24,10 @@ def test_only_the_selected_steps_run(tmp_path):
     with tarfile.open(tmp_path / "cpu-rehearsal-gpu-check.tar.gz") as archive:
         names = {Path(n).name for n in archive.getnames()}
         summary = archive.extractfile("cpu-rehearsal/summary.txt").read().decode()
-    assert {"preflight.json", "kernels.json", "preflight.log", "kernels.log"} <= names
+    assert {"preflight.json", "kernels.json", "preflight.log", "kernels.log", "targets.json"} <= names
     assert "kmeans-imagenet1k.json" not in names and "train.json" not in names
     assert "preflight: ok" in summary and "kernels: ok" in summary
+    assert "| issue | target | measured | bound | holds | from |" in summary  # benchmarks/gpu_targets.py's table
     for name in ("kmeans-in1k", "epoch-in1k", "cache-herb19", "train", "parity", "resume", "demo"):
         assert f"{name}: not selected (GPU_CHECK_STEPS=preflight,kernels)" in summary, name
 
