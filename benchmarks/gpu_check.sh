@@ -132,7 +132,7 @@ step cache-herb19 90 "$PY" -m benchmarks.bench_gpu_cache --device "$DEVICE" --js
 step train 120 "$PY" -m benchmarks.bench_train --device "$DEVICE" --epoch --epoch-variants fast_default,fast_all \
   --variants published_fp32,published_bf16,fast_default,fast_eager,fast_all --as-released-subset 1024 --json "$out/train.json"
 
-step kernels 60 "$PY" -m benchmarks.bench_kernels --device "$DEVICE" --budget-s 40 --json "$out/kernels.json"
+step kernels 90 "$PY" -m benchmarks.bench_kernels --device "$DEVICE" --budget-s 70 --json "$out/kernels.json"
 
 xdist=()
 "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
