@@ -75,3 +75,11 @@ def test_graph_breaks_are_counted_with_their_reasons(monkeypatch):
         "graph_break_reasons": ["a reason", "another reason"],
     }
 
+
+
+@pytest.mark.parametrize(("variant", "failed"), [("fused", True), ("compiled", True), ("fused_graph", False)])
+def test_only_a_failed_timing_fails_the_run(variant, failed):
+    ok = {"ms": 1.0}
+    case = {"variants": {"fused": ok, "eager": ok, "compiled": ok, "fused_graph": ok, "fused_compiled": ok}}
+    case["variants"][variant] = {"error": "RuntimeError: capture failed"}
+    assert bench_kernels.measurement_failed({"code_head": [case], "contrastive": []}) is failed
