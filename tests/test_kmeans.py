@@ -196,22 +196,27 @@ def test_empty_cluster_keeps_its_centre():
 
 
 # -------------------------------------------------------------------------------------------------------- capacity
+def unlabelled_problem(u: torch.Tensor, k: int, chunk: int) -> _Problem:
+    """A problem of unlabelled rows `u` only, K = `k`, searched `chunk` rows at a time."""
+    return _Problem(
+        unlabelled=u,
+        sq_norms=(u * u).sum(1),
+        labelled=u[:0],
+        labelled_ids=torch.zeros(0, dtype=torch.long),
+        K=k,
+        n_labelled=0,
+        labelled_sums=u.new_zeros(k, u.shape[1]),
+        labelled_counts=torch.zeros(k).long(),
+        n_unlabelled_global=len(u),
+        ops=_TorchOps(chunk),
+        chunk=chunk,
+    )
+
+
 def test_capacity_assignment_hand_made():
     u = torch.tensor([[0.0], [1.0], [2.0], [10.0]], dtype=torch.float64)
     C = torch.tensor([[0.0], [10.0]], dtype=torch.float64)
-    p = _Problem(
-        u,
-        (u * u).sum(1),
-        u[:0],
-        torch.zeros(0, dtype=torch.long),
-        2,
-        0,
-        C * 0,
-        torch.zeros(2).long(),
-        4,
-        _TorchOps(2),
-        2,
-    )
+    p = unlabelled_problem(u, k=2, chunk=2)
     lab, inertia = _assign_capacity(p, C[None], torch.tensor([2, 2]))
     assert lab.tolist() == [[0, 0, 1, 1]]
     assert float(inertia) == pytest.approx(0 + 1 + 64 + 0)
@@ -222,19 +227,7 @@ def test_capacity_assignment_close_to_optimal():
     u = torch.randn(60, 4, generator=g, dtype=torch.float64)
     C = torch.randn(5, 4, generator=g, dtype=torch.float64) * 0.5
     cap = torch.tensor([25, 8, 18, 15, 12])
-    p = _Problem(
-        u,
-        (u * u).sum(1),
-        u[:0],
-        torch.zeros(0, dtype=torch.long),
-        5,
-        0,
-        C * 0,
-        torch.zeros(5).long(),
-        60,
-        _TorchOps(16),
-        16,
-    )
+    p = unlabelled_problem(u, k=5, chunk=16)
     lab, inertia = (a[0] for a in _assign_capacity(p, C[None], cap))
     assert (torch.bincount(lab, minlength=5) <= cap).all()
     d = torch.cdist(u, C) ** 2
