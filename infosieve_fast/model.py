@@ -69,7 +69,7 @@ class Backbone(nn.Module):
         self._split_vit = grad_from_block is not None and hasattr(net, "blocks") and hasattr(net, "patch_embed")
         if checkpoint_trained not in recompute.MODES:
             raise ValueError(f"train.checkpoint_blocks must be one of {recompute.MODES}, got {checkpoint_trained!r}")
-        recomputing = checkpoint_trained in ("cheap", "on")
+        recomputing = checkpoint_trained in recompute.ALWAYS_RECOMPUTING
         for name, on in (("frozen_bf16", frozen_bf16), ("checkpoint_blocks", recomputing)):
             if on and not self._split_vit:
                 raise ValueError(
@@ -358,7 +358,7 @@ class InfoSieve(nn.Module):
         super().__init__()
         if backbone is None:
             backbone = build_backbone(cfg, frozen_bf16=frozen_bf16, checkpoint_trained=checkpoint_trained)
-        elif frozen_bf16 or checkpoint_trained in ("cheap", "on"):  # "auto" leaves a custom backbone as it was built
+        elif frozen_bf16 or checkpoint_trained in recompute.ALWAYS_RECOMPUTING:  # "auto" keeps a custom backbone's own
             raise ValueError(
                 "train.frozen_bf16 / train.checkpoint_blocks apply to the backbone built from the config; for a custom "
                 "backbone pass them to Backbone(...) yourself"

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("auto", "cheap", "on", "off")
+ALWAYS_RECOMPUTING = ("cheap", "on")  # the modes that recompute wherever they run: they need trained ViT blocks
 
 _aten = torch.ops.aten
 _ATTENTION = (
@@ -29,7 +30,7 @@ _ATTENTION = (
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
 )
-# the expensive ops, whose outputs `auto` keeps; everything else in a trained block is recomputed
+# the expensive ops, whose outputs `cheap` keeps; everything else in a trained block is recomputed
 KEPT_OPS = frozenset(
     [_aten.mm.default, _aten.addmm.default, _aten.bmm.default]
     + [getattr(_aten, name).default for name in _ATTENTION if hasattr(_aten, name)]
