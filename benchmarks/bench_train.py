@@ -87,7 +87,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import datasheet, smoke
-from benchmarks.harness import sync, timed
+from benchmarks.harness import at, sync, timed
 from benchmarks.provenance import device_name, emit_json, stamp
 from benchmarks.published import train as published
 from infosieve_fast import checkpoint as ckpt
@@ -529,16 +529,6 @@ def bench_epoch(args, data: EpochData, variant: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------- summary
-def at(report: dict, path: str):
-    """The value at a dotted `path` of the report, None where it is absent."""
-    value = report
-    for key in path.split("."):
-        if not isinstance(value, dict) or key not in value:
-            return None
-        value = value[key]
-    return value
-
-
 def ratio(report: dict, numerator: str, denominator: str) -> dict:
     """{"value": report[numerator] / report[denominator] (None unless both are there and non-zero), and the paths}."""
     num, den = at(report, numerator), at(report, denominator)

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.harness import at
+
 Reader = Callable[[dict], float | None]
 
 
@@ -36,15 +38,7 @@ class Target:
     def value(self, data: dict) -> float | None:
         if self.read is not None:
             return self.read(data)
-        return number(dotted(data, self.key))
-
-
-def dotted(data, key: str):
-    for part in key.split("."):
-        if not isinstance(data, dict) or part not in data:
-            return None
-        data = data[part]
-    return data
+        return number(at(data, self.key))
 
 
 def number(value) -> float | None:
@@ -67,7 +61,7 @@ def kernel_case(group: str, variant: str, key: str, **shape) -> Reader:
 
     def read(data: dict) -> float | None:
         cases = [c for c in data.get(group, []) if all(c.get(k) == v for k, v in shape.items())]
-        return number(dotted(cases[0], f"variants.{variant}.{key}")) if cases else None
+        return number(at(cases[0], f"variants.{variant}.{key}")) if cases else None
 
     return read
 

@@ -49,6 +49,16 @@ def timed(device: torch.device) -> Iterator[Timing]:
     timing.seconds = time.perf_counter() - start
 
 
+def at(report: dict, path: str):
+    """The value at a dotted `path` of a result (nested dicts), None where it is absent."""
+    value = report
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
 def throughput(images: int, seconds: float) -> dict:
     """The JSON record of `images` processed in `seconds`."""
     return {"images": images, "seconds": round(seconds, 3), "images_per_s": round(images / seconds, 1)}
