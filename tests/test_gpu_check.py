@@ -2,6 +2,7 @@
 the archive, the others say they were not selected, and an unknown name is refused before anything runs."""
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -37,3 +38,9 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     assert done.returncode == 2
     assert "no step is called 'kernel'" in done.stderr and "kernels" in done.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_the_selectable_names_are_the_steps_the_script_runs():
+    script = SCRIPT.read_text()
+    listed = re.search(r"^STEP_NAMES=(\S+)$", script, re.MULTILINE).group(1).split(",")
+    assert listed == re.findall(r"^step (\S+) \d+ ", script, re.MULTILINE)
