@@ -1,10 +1,11 @@
 """A run's environment fingerprint: what besides the config decides its numbers.
 
 RUN/fingerprint.json is written once, when the run folder is created: the commit and the hash of the code
-(`source_tree.py`), the python, torch, CUDA, cuDNN and Triton versions, the GPU (or the CPU), the precision switches,
-the world size and the sha256 of the backbone weights file. A resume compares the environment it runs in with that
-record: where they differ in a way that changes numerics (`numerics_differences`) it warns, naming the fields, and goes
-on. Every resume's environment is added to RUN/fingerprint-resumes.jsonl; fingerprint.json is never rewritten.
+(`source_tree.py`), the python, torch, CUDA, cuDNN and Triton versions, the GPU (or the CPU and its thread count), the
+precision switches, the world size and the sha256 of the backbone weights file. A resume compares the environment it
+runs in with that record: where they differ in a way that changes numerics (`numerics_differences`) it warns, naming
+the fields, and goes on. Every resume's environment is added to RUN/fingerprint-resumes.jsonl; fingerprint.json is
+never rewritten.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ FINGERPRINT = "fingerprint.json"
 RESUME_ENVIRONMENTS = "fingerprint-resumes.jsonl"
 
 # the fields whose difference changes numerics (dotted: inside a section), in the order differences are listed;
-# `device` compares the device type and `cpu` only between two CPU runs (see `numerics_differences`)
+# `device` compares the device type, and `cpu` and `cpu_threads` count only between two CPU runs (see
+# `numerics_differences`)
+CPU_ONLY_FIELDS = ("cpu", "cpu_threads")
 NUMERICS_FIELDS = (
     "tree_hash",
     "torch",
@@ -36,6 +39,7 @@ NUMERICS_FIELDS = (
     "device",
     "gpu",
     "cpu",
+    "cpu_threads",
     "precision.tf32_matmul",
     "precision.tf32_cudnn",
     "precision.float32_matmul_precision",
@@ -65,6 +69,7 @@ def collect(cfg: Config, device: torch.device | str, world_size: int, *, weights
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "device": str(device),
         "cpu": cpu_name(),
+        "cpu_threads": torch.get_num_threads(),  # a CPU run's reductions, so its numbers, depend on it
         "precision": {**precision.precision_flags(), "amp_dtype": amp},
         "world_size": int(world_size),
     }
@@ -148,12 +153,13 @@ def numerics_differences(a: dict, b: dict) -> list[str]:
     """One line per field of `NUMERICS_FIELDS` whose values differ between two fingerprints, naming the field and both
     values. A field absent from either is not compared (nothing was recorded). The commit, the dirty flag and the
     python version are not numerics by themselves: the code that ran is `tree_hash` (its line names both commits).
-    `device` compares types (cuda:0 and cuda:1 compute alike); `cpu` is compared only when both ran on the CPU."""
+    `device` compares types (cuda:0 and cuda:1 compute alike); `cpu` and `cpu_threads` are compared only when both ran
+    on the CPU."""
     lines = []
     on_cpu = all(torch.device(f.get("device", "cpu")).type == "cpu" for f in (a, b))
     for name in NUMERICS_FIELDS:
         (has_a, x), (has_b, y) = _field(a, name), _field(b, name)
-        if not (has_a and has_b) or (name == "cpu" and not on_cpu):
+        if not (has_a and has_b) or (name in CPU_ONLY_FIELDS and not on_cpu):
             continue
         if name == "device":
             x, y = (torch.device(v).type if v else v for v in (x, y))

@@ -14,7 +14,8 @@ A run's seed is `train.seed`. Every run resumes on its own: the same command aga
 continues a half-finished one from its last checkpoint, so a killed sweep goes on where it stopped. A command whose
 plan differs from SWEEP/sweep.json (another config, grid, seeds or --set) is refused. Without --devices the runs go
 one after another in this process, on the config's `train.device`; with --devices one run per device at a time, each
-in its own process (`CUDA_VISIBLE_DEVICES` names its GPU, or hides them all for `cpu`).
+in its own process (`CUDA_VISIBLE_DEVICES` names its GPU, or hides them all for `cpu`), with an equal share of the
+CPU cores as its thread count (`OMP_NUM_THREADS`, unless it is set already).
 """
 
 from __future__ import annotations
@@ -202,11 +203,12 @@ def run_on_devices(sweep_dir: Path, pending: list[dict], devices: list[str]) -> 
     """One worker process per device at a time, each running one planned run (`python -m infosieve_fast.sweep`),
     its output in SWEEP/logs/<name>.log. A failed run lets the others in flight finish, then stops the sweep."""
     queue, free, running, failed = list(pending), list(devices), {}, []
+    threads = threads_per_process(len(devices))
     try:
         while running or (queue and not failed):
             while free and queue and not failed:
                 device, run = free.pop(0), queue.pop(0)
-                running[start_worker(sweep_dir, run, device)] = (run, device)
+                running[start_worker(sweep_dir, run, device, threads)] = (run, device)
                 print(f"sweep: {run['name']} started on {device} (log: {log_path(sweep_dir, run)})")
             proc = next((p for p in running if p.poll() is not None), None)
             if proc is None:
@@ -233,9 +235,22 @@ def log_path(sweep_dir: Path, run: dict) -> Path:
     return sweep_dir / LOGS / f"{run['name']}.log"
 
 
-def start_worker(sweep_dir: Path, run: dict, device: str) -> subprocess.Popen:
+def threads_per_process(processes: int) -> int:
+    """The CPU cores this process may use, shared equally among `processes` running at once (at least one each).
+    Each process's OpenMP pool would otherwise take every core, and pools that together oversubscribe the cores spin
+    against each other and slow every process several times over (torchrun shares the cores among its ranks too)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // processes)
+
+
+def start_worker(sweep_dir: Path, run: dict, device: str, threads: int) -> subprocess.Popen:
+    """A worker process for `run` on `device`, with `threads` CPU threads unless OMP_NUM_THREADS says otherwise."""
     log_path(sweep_dir, run).parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if device == "cpu" else device.removeprefix("cuda:")}
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "" if device == "cpu" else device.removeprefix("cuda:"),
+    }
     log = open(log_path(sweep_dir, run), "a")  # the child writes to it; this process closes it
     cmd = [sys.executable, "-m", "infosieve_fast.sweep", str(sweep_dir), run["name"]]
     with log:

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from infosieve_fast import cli
+from infosieve_fast import cli, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -234,6 +234,7 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
 
 
 COMMAND_TIMEOUT_S = 300
+LANES = 2  # commands run side by side, each with its share of the cores (two on CI's 2 cores)
 
 
 def run_shell(command: str) -> subprocess.CompletedProcess:
@@ -242,6 +243,7 @@ def run_shell(command: str) -> subprocess.CompletedProcess:
         "INFOSIEVE_BENCH_SMOKE": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": str(sweep.threads_per_process(LANES)),
     }
     command = re.sub(r"^python3? ", f"{sys.executable} ", command)
     with subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -276,36 +278,34 @@ RUN_COMMANDS = _unique(_documented("run"))
 
 @pytest.fixture(scope="module")
 def outcomes(bound, request) -> dict[tuple[str, str], tuple[str, subprocess.CompletedProcess]]:
-    """The run of every documented command this session selected (`-k` picks some): first the README's demo training
-    (its folder is the RUN of the others), then on two workers (2 CPU cores) the commands that share a folder, one lane
-    per folder in order, beside the rest."""
+    """The run of every documented command this session selected (`-k` picks some), on `LANES` workers: the commands
+    that share a folder in one lane, in the docs' order (the README's demo training first in the lane of RUN, the
+    folder it writes, then the commands that read RUN or SWEEP), beside the other commands. A command that reads the
+    same once bound (the docs show `eval --run RUN` more than once) runs once."""
     selected = {
         (item.callspec.params["where"], item.callspec.params["command"])
         for item in request.session.items
         if item.originalname == "test_documented_command_runs_at_smoke_size"
     }
-    demo_key = next(key for key in RUN_COMMANDS if key[1] == DEMO_TRAIN)
-    # in the docs' order: a lane runs its commands in the order the docs show them
-    bound_commands = {(w, c): bind(c, bound, re.sub(r"\W", "_", w)) for w, c in RUN_COMMANDS
-                      if (w, c) in selected or (w, c) == demo_key}  # fmt: skip
-    demo = demo_key
-    bound_commands[demo] = bind(f"{DEMO_TRAIN} --out /tmp/demo_readme", bound, "demo")  # into RUN
-    done = {demo: run_shell(bound_commands[demo])}
-    lanes: dict[str, list] = {}
-    for key, command in bound_commands.items():
-        if key != demo:
-            # a compare of SWEEP and RUN runs after the sweep: SWEEP's lane first
-            folders = (bound["sweep"], bound["run"], "bench_tree_ablation")
-            shared = next((folder for folder in folders if folder in command), None)
-            lanes.setdefault(shared or str(key), []).append(key)
+    demo = next(key for key in RUN_COMMANDS if key[1] == DEMO_TRAIN)
+    bound_commands = {demo: bind(f"{DEMO_TRAIN} --out /tmp/demo_readme", bound, "demo")}  # into RUN
+    bound_commands |= {(w, c): bind(c, bound, re.sub(r"\W", "_", w)) for w, c in RUN_COMMANDS
+                       if (w, c) in selected and (w, c) != demo}  # fmt: skip
+    lanes: dict[str, list[str]] = {}
+    for command in dict.fromkeys(bound_commands.values()):
+        if bound["run"] in command or bound["sweep"] in command:  # `compare SWEEP RUN` reads both
+            lanes.setdefault("RUN", []).append(command)
+        else:
+            lanes.setdefault("bench_tree_ablation" if "bench_tree_ablation" in command else command, []).append(command)
 
-    def run_lane(keys: list) -> dict:
-        return {key: run_shell(bound_commands[key]) for key in keys}
+    def run_lane(commands: list[str]) -> dict[str, subprocess.CompletedProcess]:
+        return {command: run_shell(command) for command in commands}
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for lane in [pool.submit(run_lane, keys) for keys in lanes.values()]:
+    done: dict[str, subprocess.CompletedProcess] = {}
+    with ThreadPoolExecutor(max_workers=LANES) as pool:
+        for lane in [pool.submit(run_lane, commands) for commands in lanes.values()]:
             done |= lane.result()
-    return {key: (bound_commands[key], result) for key, result in done.items()}
+    return {key: (command, done[command]) for key, command in bound_commands.items()}
 
 
 @pytest.mark.parametrize(("where", "command"), RUN_COMMANDS, ids=lambda x: x if ":" in x else "")

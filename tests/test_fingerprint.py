@@ -40,6 +40,7 @@ def test_the_fingerprint_names_what_this_process_runs_with(tmp_path):
     assert got["cuda"] == torch.version.cuda and got["cudnn"] == torch.backends.cudnn.version()
     assert got["triton"] == triton.__version__
     assert (got["gpu"], got["device"], got["world_size"]) == (None, "cpu", 3)
+    assert got["cpu_threads"] == torch.get_num_threads()
     assert got["precision"] == {
         "tf32_matmul": torch.backends.cuda.matmul.fp32_precision == "tf32",
         "tf32_cudnn": torch.backends.cudnn.conv.fp32_precision == "tf32",
@@ -98,6 +99,7 @@ def _fingerprint(**changes) -> dict:
         "gpu": "NVIDIA H100 80GB HBM3",
         "device": "cuda:0",
         "cpu": "Intel Xeon",
+        "cpu_threads": 16,
         "world_size": 1,
         "backbone_weights": {"path": "/w/dino.pth", "sha256": "f" * 64},
         "precision": {
@@ -142,11 +144,12 @@ def test_numerics_differences_name_each_field_that_changes_numbers():
     assert fingerprint.numerics_differences(a, code) == [
         f"code (tree_hash): {'1' * 12} (commit {'a' * 10}) vs {'2' * 12} (commit {'c' * 10}, dirty)"
     ]
-    # the CPU model counts between two CPU runs only; a CPU run against a GPU run differs by device and gpu
+    # the CPU model and thread count count between two CPU runs only; a CPU run against a GPU run differs by device
+    # and gpu
     cpu_a = _fingerprint(device="cpu", gpu=None, cpu="AMD EPYC")
-    assert fingerprint.numerics_differences(cpu_a, _fingerprint(device="cpu", gpu=None, cpu="Intel Xeon")) == [
-        "cpu: 'AMD EPYC' vs 'Intel Xeon'"
-    ]
+    cpu_b = _fingerprint(device="cpu", gpu=None, cpu="Intel Xeon", cpu_threads=2)
+    assert fingerprint.numerics_differences(cpu_a, cpu_b) == ["cpu: 'AMD EPYC' vs 'Intel Xeon'", "cpu_threads: 16 vs 2"]
+    assert fingerprint.numerics_differences(a, _fingerprint(cpu_threads=2)) == []
     assert fingerprint.numerics_differences(cpu_a, a) == [
         "device: 'cpu' vs 'cuda'",
         "gpu: None vs 'NVIDIA H100 80GB HBM3'",

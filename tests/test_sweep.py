@@ -214,9 +214,11 @@ def test_a_command_that_differs_from_the_recorded_sweep_is_refused(whole, tmp_pa
 
 
 # ------------------------------------------------------------------------------------------------ devices
-def test_devices_run_each_run_in_its_own_process(whole, tmp_path, capsys):
+def test_devices_run_each_run_in_its_own_process(whole, tmp_path, capsys, monkeypatch):
     out = tmp_path / "devices"
     argv = sweep_argv(out, seeds="1,2", grid="loss.label_smoothing=0.1", extra=["train.device=auto"])
+    # a CPU run's numbers depend on its thread count (fingerprint cpu_threads): the workers get the in-process runs'
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     assert cli.main([*argv, "--devices", "cpu,cpu"]) == 0
     assert "started on cpu" in capsys.readouterr().out
     for seed in (1, 2):
@@ -230,19 +232,29 @@ def test_devices_run_each_run_in_its_own_process(whole, tmp_path, capsys):
     assert [p["finished"] for p in json.loads((out / "summary.json").read_text())["points"]] == [2]
 
 
-def test_each_worker_sees_only_its_gpu(tmp_path, monkeypatch):
+def test_each_worker_sees_only_its_gpu_and_its_share_of_the_cores(tmp_path, monkeypatch):
     started = []
 
     class FakePopen:
         def __init__(self, cmd, stdout, stderr, env):
-            started.append((cmd, env["CUDA_VISIBLE_DEVICES"]))
+            started.append((cmd, env["CUDA_VISIBLE_DEVICES"], env["OMP_NUM_THREADS"]))
 
     monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     run = {"name": "seed1"}
     for device in ("cuda:1", "cuda:0", "cpu"):
-        sweep.start_worker(tmp_path, run, device)
-    assert [env for _, env in started] == ["1", "0", ""]
+        sweep.start_worker(tmp_path, run, device, threads=3)
+    assert [(gpu, threads) for _, gpu, threads in started] == [("1", "3"), ("0", "3"), ("", "3")]
     assert started[0][0][1:] == ["-m", "infosieve_fast.sweep", str(tmp_path), "seed1"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's own setting wins
+    sweep.start_worker(tmp_path, run, "cpu", threads=3)
+    assert started[-1][2] == "5"
+
+
+@pytest.mark.parametrize(("cores", "processes", "threads"), [(8, 1, 8), (8, 3, 2), (2, 2, 1), (2, 4, 1)])
+def test_workers_share_the_cores_this_process_may_use(monkeypatch, cores, processes, threads):
+    monkeypatch.setattr(sweep.os, "sched_getaffinity", lambda pid: set(range(100, 100 + cores)), raising=False)
+    assert sweep.threads_per_process(processes) == threads
 
 
 def test_a_failed_worker_stops_the_sweep_once_the_runs_in_flight_end(tmp_path, monkeypatch):
@@ -261,7 +273,7 @@ def test_a_failed_worker_stops_the_sweep_once_the_runs_in_flight_end(tmp_path, m
     workers = iter([Worker(3, 1), Worker(0, 5)])  # seed1 fails at once, seed2 is still running then
     started = []
 
-    def start(sweep_dir, run, device):
+    def start(sweep_dir, run, device, threads):
         started.append((run["name"], device))
         return next(workers)
 
