@@ -238,7 +238,8 @@ def log_path(sweep_dir: Path, run: dict) -> Path:
 def threads_per_process(processes: int) -> int:
     """The CPU cores this process may use, shared equally among `processes` running at once (at least one each).
     Each process's OpenMP pool would otherwise take every core, and pools that together oversubscribe the cores spin
-    against each other and slow every process several times over (torchrun shares the cores among its ranks too)."""
+    against each other and slow every process several times over (torchrun likewise gives its ranks one thread
+    each unless told otherwise)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // processes)
 

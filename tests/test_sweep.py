@@ -3,6 +3,7 @@ sweep continued to the summary an uninterrupted one writes, another command refu
 processes, and a summary whose means and spreads equal those computed here from the runs' own files."""
 
 import json
+import mmap
 import statistics
 import subprocess
 from pathlib import Path
@@ -302,18 +303,26 @@ def test_devices_and_the_config_device_must_agree():
 
 
 # ------------------------------------------------------------------------------------------------ peak memory
+def resident_mapping(size: int) -> mmap.mmap:
+    """`size` bytes of this process's own anonymous mapping, every page written (resident until it is closed: no
+    allocator can keep it, as malloc may keep a freed array)."""
+    mapping = mmap.mmap(-1, size)
+    mapping.write(b"\x01" * size)
+    return mapping
+
+
 def test_peak_memory_per_epoch(monkeypatch):
     cpu = torch.device("cpu")
-    held = np.ones(64 * 2**20 // 8)  # 64 MiB, resident
+    held = resident_mapping(64 * 2**20)
     assert run_folder.reset_peak_memory(cpu)
     with_it = run_folder.peak_memory(cpu)["peak_rss_bytes"]  # the resident set now, with the 64 MiB
-    del held  # returned to the system (a large array is its own mapping)
+    held.close()  # unmapped: the resident set falls by 64 MiB
     assert run_folder.reset_peak_memory(cpu)
     without = run_folder.peak_memory(cpu)["peak_rss_bytes"]
     assert with_it - without >= 48 * 2**20  # the reset forgot the earlier peak
-    again = np.ones(64 * 2**20 // 8)
+    again = resident_mapping(64 * 2**20)
     assert run_folder.peak_memory(cpu)["peak_rss_bytes"] - without >= 48 * 2**20  # and the next one is seen
-    del again
+    again.close()
     # CUDA: the allocator's peak since the epoch's reset (faked here: no GPU)
     calls = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
