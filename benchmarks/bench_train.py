@@ -20,6 +20,9 @@ report order (the default and its fairest baseline first):
   fast_frozen_bf16  fast_default + train.frozen_bf16
   fast_checkpoint   fast_default + train.checkpoint_blocks=on (the trained blocks recomputed: memory, not speed)
   fast_all          fast_default + train.frozen_bf16, compiled (train.compile=on; CUDA)
+  fast_graph        fast_default + train.cuda_graph=on: the step replayed from a CUDA graph (CUDA); its eager warm-up
+                    steps and its capture run before the timed steps (`cuda_graph_captures`,
+                    `seconds_cuda_graph_capture`)
 A variant that needs CUDA is recorded as {"skipped": reason} on the CPU.
 
 Epoch mode (`--epoch`): a CUB-sized in-memory train set of random uint8 images (5,994 at 256^2, 200 classes, the first
@@ -99,6 +102,7 @@ from infosieve_fast.data.splits import gcd_split
 from infosieve_fast.engine import FeatureSet, Trainer
 from infosieve_fast.loss_monitor import LossMonitor
 from infosieve_fast.precision import set_cuda_matmul_tf32
+from infosieve_fast.step_graph import WARMUP_STEPS
 
 FAST_VARIANTS = {
     "fast_default": [],
@@ -106,6 +110,7 @@ FAST_VARIANTS = {
     "fast_frozen_bf16": ["train.frozen_bf16=true"],
     "fast_checkpoint": ["train.checkpoint_blocks=on"],
     "fast_all": ["train.frozen_bf16=true", "train.compile=on"],
+    "fast_graph": ["train.cuda_graph=on"],
 }
 PUBLISHED_VARIANTS = {"published_fp32": False, "published_bf16": True}  # the value: bf16 autocast
 REPORT_ORDER = (
@@ -116,9 +121,13 @@ REPORT_ORDER = (
     "fast_frozen_bf16",
     "fast_checkpoint",
     "fast_all",
+    "fast_graph",
 )
 DEFAULT, FAIREST_BASELINE = "fast_default", "published_bf16"
-CUDA_ONLY = {"fast_all": "needs CUDA: train.compile=on (torch.compile) is CUDA only"}
+CUDA_ONLY = {
+    "fast_all": "needs CUDA: train.compile=on (torch.compile) is CUDA only",
+    "fast_graph": "needs CUDA: train.cuda_graph=on (a CUDA graph) is CUDA only",
+}
 KMEANS_INITS = 10  # the published and the default n_init
 
 # Smoke size (benchmarks/smoke.py, INFOSIEVE_BENCH_SMOKE=1): the steps always; every size the command leaves at its
@@ -257,8 +266,9 @@ def make_published(args, n_old: int, device: torch.device, weights_from: Trainer
 
 # ------------------------------------------------------------------------------------------------------------- step
 def step_functions(args, device: torch.device, variant: str, batch: Batch, pseudo: torch.Tensor, n_old: int):
-    """(step callable, finish callable, compile fields) for `variant`; `finish` checks the losses and frees the
-    models. A fast variant compiles as `train.compile` says before its first step (`Trainer.compile_once`)."""
+    """(step callable, finish callable, details callable) for `variant`; `finish` checks the losses and frees the
+    models, `details` gives the paths that ran (compiled or eager, graph or eager). A fast variant compiles as
+    `train.compile` says before its first step (`Trainer.compile_once`)."""
     source = InMemoryGCD(batch.images, batch.targets, batch.labelled, n_old, None)
     if variant in FAST_VARIANTS:
         trainer = make_trainer(args, FAST_VARIANTS[variant], source)
@@ -266,7 +276,8 @@ def step_functions(args, device: torch.device, variant: str, batch: Batch, pseud
         gen = torch.Generator(device=device).manual_seed(args.seed)
         monitor = LossMonitor(0)
         trainer.compile_once()
-        return (lambda: trainer.train_step(batch, pseudo, gen, monitor)), monitor.check, trainer.compiled.fields()
+        details = lambda: {**trainer.compiled.fields(), **trainer.step_graph.fields()}  # noqa: E731
+        return (lambda: trainer.train_step(batch, pseudo, gen, monitor)), monitor.check, details
     donor = make_trainer(args, [], source)  # only its weights: both sides start equal
     loop = make_published(args, n_old, device, donor)
     del donor
@@ -288,7 +299,7 @@ def step_functions(args, device: torch.device, variant: str, batch: Batch, pseud
             raise RuntimeError(f"{variant}: non-finite loss")
         return losses[-1]
 
-    return step, finish, {}
+    return step, finish, dict
 
 
 def count_step_flops(args, device: torch.device, batch: Batch, pseudo: torch.Tensor, n_old: int) -> int:
@@ -301,8 +312,11 @@ def count_step_flops(args, device: torch.device, batch: Batch, pseudo: torch.Ten
 def bench_variant(args, device, variant, batch, pseudo, n_old, flops: int, peaks: dict[str, float | None]) -> dict:
     free_memory(device)
     t0 = time.perf_counter()
-    step, finish, compiled = step_functions(args, device, variant, batch, pseudo, n_old)
+    step, finish, details = step_functions(args, device, variant, batch, pseudo, n_old)
     step()  # first call: kernel compilation, allocator growth (and the compile, `seconds_compile`, before it)
+    if details().get("cuda_graph") == "graph":  # the eager warm-up and the capture stay out of the timed steps
+        for _ in range(max(0, WARMUP_STEPS - args.warmup)):
+            step()
     sync(device)
     first_s = time.perf_counter() - t0
     free_memory(device)  # resets the peak: the steady-state peak of the timed steps is reported
@@ -317,7 +331,7 @@ def bench_variant(args, device, variant, batch, pseudo, n_old, flops: int, peaks
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         **{f"mfu_{name}": flops / seconds / (tflops * 1e12) if tflops else None for name, tflops in peaks.items()},
         "setup_and_first_step_s": first_s,
-        **compiled,
+        **details(),
         "last_loss": last_loss,
     }
 
@@ -751,13 +765,13 @@ def _step_for_pytest(variant: str):
 
 
 def test_published_step_speed(benchmark):
-    step, finish = _step_for_pytest("published_fp32")
+    step, finish, _ = _step_for_pytest("published_fp32")
     benchmark(step)
     assert math.isfinite(finish())
 
 
 def test_fast_step_speed(benchmark):
-    step, finish = _step_for_pytest("fast_default")
+    step, finish, _ = _step_for_pytest("fast_default")
     benchmark(step)
     assert math.isfinite(finish())
 

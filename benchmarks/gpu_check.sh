@@ -14,9 +14,10 @@
 #   kmeans-in1k    one SS-k-means round at ImageNet-1k size (1.28M x 768, K = 1000, 10 x 10, balanced reference)
 #   epoch-in1k     the ImageNet-1k epoch projected from >= 500 ViT-B/16 steps on streamed shards (nvJPEG vs CPU)
 #   cache-herb19   a Herbarium19-size set (34k images, shorter side 256) served from the decoded GPU cache
-#   train          bench_train: the default and the fastest variant against the published step and epoch
+#   train          bench_train: the default and the fastest variant against the published step and epoch, and the
+#                  step replayed from a CUDA graph (train.cuda_graph=on, last)
 #   kernels        bench_kernels, short
-#   parity         every kernel parity test on CUDA
+#   parity         every kernel parity test on CUDA, and a CUDA-graph step against the eager step
 #   resume         a run killed after epoch 1 and resumed on CUDA; a step under set_sync_debug_mode("error")
 #   demo           the demo on CUDA
 # Then the issues' GPU targets against what the run measured (benchmarks/gpu_targets.py) go into summary.txt and
@@ -130,14 +131,15 @@ step epoch-in1k 150 "$PY" -m benchmarks.bench_epoch_scale --device "$DEVICE" \
 step cache-herb19 90 "$PY" -m benchmarks.bench_gpu_cache --device "$DEVICE" --json "$out/gpu-cache-herbarium19.json"
 
 step train 120 "$PY" -m benchmarks.bench_train --device "$DEVICE" --epoch --epoch-variants fast_default,fast_all \
-  --variants published_fp32,published_bf16,fast_default,fast_eager,fast_all --as-released-subset 1024 --json "$out/train.json"
+  --variants published_fp32,published_bf16,fast_default,fast_eager,fast_all,fast_graph --as-released-subset 1024 \
+  --json "$out/train.json"
 
 step kernels 90 "$PY" -m benchmarks.bench_kernels --device "$DEVICE" --budget-s 70 --json "$out/kernels.json"
 
 xdist=()
 "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
 parity=(tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests/test_compat.py
-  tests/test_data_stream_exact.py)
+  tests/test_data_stream_exact.py tests/test_step_graph.py)
 [ "$DEVICE" = cpu ] && parity+=(--collect-only)  # the rehearsal checks that the step starts; CI runs these tests
 step parity 90 "$PY" -m pytest "${xdist[@]}" "${parity[@]}" -q -rfEs -p no:cacheprovider
 

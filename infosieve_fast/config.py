@@ -187,6 +187,10 @@ class TrainConfig:
     # torch.compile of the backbone blocks and the projection head: "auto" compiles on CUDA and falls back to eager if
     # compiling fails (the log says which ran), "on" raises instead, "off" never compiles (infosieve_fast/compiling.py)
     compile: str = "auto"
+    # the training step captured in a CUDA graph and replayed: "off" (the default until a GPU run has measured it) |
+    # "auto" captures on CUDA with one process, else eager (the log says which ran) | "on" raises where it cannot
+    # (infosieve_fast/step_graph.py)
+    cuda_graph: str = "off"
     # the frozen prefix's tokens of the test-view passes kept and replayed: "auto" (on the GPU if they fit, else in RAM
     # below data.memory_threshold_mb, else recomputed) | "off" (infosieve_fast/token_cache.py)
     token_cache: str = "auto"

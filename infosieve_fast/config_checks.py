@@ -34,6 +34,7 @@ CHOICES = {
     "train.kernels": ("auto", "triton", "torch"),
     "checkpoint.best": ("none", "labelled_holdout", "kmeans_objective"),
     "train.compile": ("auto", "on", "off"),  # true/false in YAML read as on/off
+    "train.cuda_graph": ("auto", "on", "off"),  # true/false in YAML read as on/off
     "train.token_cache": ("auto", "off"),
     "train.checkpoint_blocks": ("auto", "cheap", "on", "off"),  # true/false in YAML read as on/off
 }

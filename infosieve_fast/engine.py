@@ -33,6 +33,7 @@ from .loss_monitor import LossMonitor
 from .metrics import evaluate_split
 from .model import Backbone, PrefixTokens
 from .schedule import epoch_schedule
+from .step_graph import GraphedStep, StepInputs, StepOutputs
 from .token_cache import TokenCache
 from .trainer_setup import (
     autocast_enabled,
@@ -98,6 +99,12 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         check_compile_setting(cfg.train.compile, self.device)
         self.compiled: CompileOutcome | None = None  # set by the first `train_epoch` (evaluation alone stays eager)
+        self.step_graph = GraphedStep.for_setting(
+            cfg.train.cuda_graph, self.device, dist.get_world_size(), self.optimizer
+        )
+        # a capture must not keep autocast's weight casts; every forward runs with the same setting, so a compiled
+        # module (whose guards read it) is compiled once
+        self._autocast_cache = not self.step_graph.active
         self.token_cache = TokenCache(cfg.train.token_cache, self.device, cfg.data.memory_threshold_mb)
         # `self.model` stays the plain module (checkpoints, feature passes); `self.net` runs the training forward.
         # Every trainable parameter takes part in every loss (the categorizer too: an empty labelled batch gives it a
@@ -132,7 +139,7 @@ class Trainer:
             for batch in self.source.feature_batches(self.cfg.data.feature_batch_size):
                 batch = batch.to(self.device, non_blocking=True)
                 x = self.augment.train_views(batch.images, 1, gen, batch.sizes)
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                with self.autocast():
                     parts.append((embed(x), batch.targets, batch.labelled, batch.uq))
         self.model.train()
         if parts:
@@ -162,7 +169,7 @@ class Trainer:
         """(features, targets, labelled, uq) of this rank's test-view batches of `split` ("train" or "test"), in the
         fixed feature-pass order: replayed from the token cache when it holds the split, else computed (and recorded
         when the frozen prefix may be cached)."""
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
+        autocast = self.autocast()
         replay = self.token_cache.replay(split)
         if replay is not None:
             for entry in replay:
@@ -309,6 +316,7 @@ class Trainer:
         self.model.labeller.set_schedule(sched.age, sched.base, length_base)
         for group in self.optimizer.param_groups:
             group["lr"] = sched.lr * group["lr_scale"]
+        self.step_graph.release()  # its memory is free for the feature pass; the first step captures the new values
 
         name = f"epoch {epoch + 1}/{cfg.schedule.epochs}"
         compile_record = self.compile_once()
@@ -341,6 +349,8 @@ class Trainer:
                 "seconds_kmeans": kmeans_done - features_done,
                 "seconds_steps": end - kmeans_done,
                 **compile_record,
+                "cuda_graph": self.step_graph.path,
+                "seconds_cuda_graph_capture": self.step_graph.seconds_capture,
             }
         )
         return record
@@ -393,11 +403,11 @@ class Trainer:
         buffers = [b.clone() for b in model.buffers()]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             shape = (3, d.crop_size, d.crop_size)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            with self.autocast():
                 out = model(torch.zeros(2 * d.batch_size, *shape, device=self.device))
             (out.projection.sum() + out.backbone.float().sum()).backward()
             model.eval()
-            with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            with torch.no_grad(), self.autocast():
                 model.features(torch.zeros(d.feature_batch_size, *shape, device=self.device))
             model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -412,17 +422,32 @@ class Trainer:
         steps = (self.source.n_train - len(self.unreadable)) // (self.cfg.data.batch_size * dist.get_world_size())
         return steps if t.max_steps_per_epoch is None else min(steps, t.max_steps_per_epoch)
 
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast as `train.amp` says, for every forward pass of the model."""
+        cache = self._autocast_cache
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp, cache_enabled=cache)
+
     def train_step(self, batch: Batch, pseudo: Tensor, gen: torch.Generator, monitor: LossMonitor) -> None:
-        """One two-view step; nothing in it waits for the device (the monitor reads the loss later)."""
+        """One two-view step, eager or replayed from a CUDA graph (`train.cuda_graph`); nothing in it waits for the
+        device (the monitor reads the loss later)."""
         batch = batch.to(self.device, non_blocking=True)
         views = self.augment.train_views(batch.images, 2, gen, batch.sizes)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            out = self.net(views)
-        total, parts = self.loss_fn(out, batch.targets, batch.labelled, pseudo[batch.uq])
-        monitor.record(parts)
+        inputs = StepInputs(views, batch.targets, batch.labelled, pseudo[batch.uq])
+        monitor.record(self.step_graph(self._step, inputs, self._baked_host_values()))
+
+    def _step(self, inputs: StepInputs) -> StepOutputs:
+        """Forward, loss, backward and update on `inputs`; the loss terms (what a CUDA graph records)."""
+        with self.autocast():
+            out = self.net(inputs.views)
+        total, parts = self.loss_fn(out, inputs.targets, inputs.labelled, inputs.pseudo)
         self.optimizer.zero_grad(set_to_none=True)
         total.backward()
         self.optimizer.step()
+        return parts
+
+    def _baked_host_values(self) -> tuple:
+        """The host numbers a captured step holds as kernel arguments: the groups' lr and the code head's age."""
+        return (*(group["lr"] for group in self.optimizer.param_groups), self.model.labeller._age)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self, next_epoch: int, before: dict) -> dict:

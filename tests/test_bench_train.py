@@ -19,7 +19,7 @@ EPOCH = [
     "--epoch", "--epoch-variants", "fast_default,fast_all", "--n-train", "32", "--n-test", "12",
     "--feature-batch", "16", "--published-feature-batch", "8", "--as-released-subset", "12",
 ]  # fmt: skip
-VARIANTS = ["--variants", "published_fp32,published_bf16,fast_default,fast_eager,fast_all"]
+VARIANTS = ["--variants", "published_fp32,published_bf16,fast_default,fast_eager,fast_all,fast_graph"]
 README_COMMAND = "--device cpu --backbone vit_tiny_patch16_224 --batch 8 --steps 20 --warmup 3 --variants " \
                  "published_fp32,fast_default".split()  # fmt: skip
 GPU_CHECK_COMMAND = ["--device", "cpu", "--epoch", "--epoch-variants", "fast_default,fast_all", *VARIANTS]
@@ -38,7 +38,7 @@ def test_report_names_its_provenance_and_leads_with_the_default_against_its_fair
     assert isinstance(report["dirty"], bool) and len(report["tree_hash"]) == 64
     assert report["device"].startswith("cpu")
     assert list(report["step"]["variants"]) == [
-        "fast_default", "published_bf16", "published_fp32", "fast_eager", "fast_all"]
+        "fast_default", "published_bf16", "published_fp32", "fast_eager", "fast_all", "fast_graph"]
     first = list(report["summary"])[:3]
     assert first == ["default_variant", "step_speedup_vs_published_bf16", "peak_memory_ratio_vs_published_bf16"]
     assert report["summary"]["default_variant"] == "fast_default"
@@ -47,6 +47,7 @@ def test_report_names_its_provenance_and_leads_with_the_default_against_its_fair
 def test_cuda_only_variants_are_skipped_on_the_cpu_with_the_reason(report):
     for entry in (report["step"]["variants"]["fast_all"], report["epoch"]["fast_all"]):
         assert "CUDA" in entry["skipped"] and "torch.compile" in entry["skipped"]
+    assert "CUDA graph" in report["step"]["variants"]["fast_graph"]["skipped"]
     assert report["summary"]["fastest_epoch_variant"] == "fast_default"
     for entry in (report["step"]["variants"]["fast_default"], report["epoch"]["fast_default"]):
         assert entry["compile"] == "eager" and "CPU" in entry["compile_reason"] and entry["seconds_compile"] == 0.0
@@ -184,10 +185,13 @@ def test_documented_command_sets_up_every_variant_at_crop_224():
     for overrides in bench_train.FAST_VARIANTS.values():
         assert bench_train.fast_config(args, overrides).data.crop_size == 224
     for variant in args.variants:
-        step, finish, compiled = bench_train.step_functions(args, args.device, variant, batch, pseudo, n_old)
+        step, finish, details = bench_train.step_functions(args, args.device, variant, batch, pseudo, n_old)
         assert callable(step) and callable(finish)
-        assert compiled == ({} if variant.startswith("published") else {
-            "compile": "eager", "compile_reason": compiled["compile_reason"], "seconds_compile": 0.0})
+        fields = details()
+        assert fields == ({} if variant.startswith("published") else {
+            "compile": "eager", "compile_reason": fields["compile_reason"], "seconds_compile": 0.0,
+            "cuda_graph": "eager", "cuda_graph_reason": "train.cuda_graph=off", "cuda_graph_captures": 0,
+            "seconds_cuda_graph_capture": 0.0})
 
 
 def test_smoke_size_keeps_what_a_command_sets(monkeypatch):
@@ -216,3 +220,12 @@ def test_bad_flags_are_refused_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench_train.parse_args(["--device", "cpu", *argv])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry", [bench_train.test_published_step_speed, bench_train.test_fast_step_speed])
+def test_the_pytest_benchmark_entry_points_run(entry):
+    """`pytest benchmarks/bench_train.py` (the module's docstring): each entry point times one step and checks its
+    loss; a stand-in for pytest-benchmark's fixture calls the step, counted."""
+    calls = []
+    entry(lambda step: calls.append(step()))
+    assert len(calls) == 1
