@@ -316,7 +316,9 @@ class Trainer:
         self.model.labeller.set_schedule(sched.age, sched.base, length_base)
         for group in self.optimizer.param_groups:
             group["lr"] = sched.lr * group["lr_scale"]
-        self.step_graph.release()  # its memory is free for the feature pass; the first step captures the new values
+        # the graph's memory (its gradients too) is free for the feature pass; the first step captures the new values
+        self.step_graph.release()
+        self.optimizer.zero_grad(set_to_none=True)
 
         name = f"epoch {epoch + 1}/{cfg.schedule.epochs}"
         compile_record = self.compile_once()
