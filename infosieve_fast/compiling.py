@@ -8,7 +8,13 @@ torch.compile does not pay there, and `on` is refused.
 
 Compiling happens once per process, before the first epoch's feature pass, so its time is reported apart from the
 steps' and is not paid again in later epochs: every epoch record holds the path (`compile`) and the compile seconds it
-paid (`seconds_compile`, 0 but in the first epoch a process runs).
+paid (`seconds_compile`, 0 but in the first epoch a process runs). Nothing compiles after the probe: every feature
+pass runs its batches at one size (`Trainer._full_batch` pads the last one), and the probe runs each pass's forwards.
+
+The blocks share one code object, and each way a run calls them (frozen or trained, in a step or a feature pass, on
+images or on cached tokens) is one more graph of that object: seven for a split ViT. Dynamo compiles at most
+`recompile_limit` graphs per code object and runs the rest eagerly, without an error, so compiling raises that limit
+to `RECOMPILE_LIMIT` where it is lower.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import torch
 from torch import nn
 
 from . import distributed as dist
+
+RECOMPILE_LIMIT = 16  # graphs per code object (torch's default: 8); a split ViT's blocks need 7
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ def compile_with_fallback(
         return CompileOutcome(False, "train.compile=off", 0.0)
     if device.type != "cuda":
         return CompileOutcome(False, "train.compile=auto on the CPU: eager (torch.compile does not pay here)", 0.0)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for module in modules:
         module.compile(dynamic=False)
     start = time.perf_counter()

@@ -140,7 +140,7 @@ class Trainer:
                 batch = batch.to(self.device, non_blocking=True)
                 x = self.augment.train_views(batch.images, 1, gen, batch.sizes)
                 with self.autocast():
-                    parts.append((embed(x), batch.targets, batch.labelled, batch.uq))
+                    parts.append((self._full_batch(embed, x), batch.targets, batch.labelled, batch.uq))
         self.model.train()
         if parts:
             feats, targets, labelled, uq = (torch.cat(t) for t in zip(*parts, strict=True))
@@ -174,7 +174,7 @@ class Trainer:
         if replay is not None:
             for entry in replay:
                 with autocast:
-                    f = embed(PrefixTokens(entry.tokens.to(self.device, non_blocking=True)))
+                    f = self._full_batch(embed, PrefixTokens(entry.tokens.to(self.device, non_blocking=True)))
                 yield f, *(t.to(self.device, non_blocking=True) for t in (entry.targets, entry.labelled, entry.uq))
             return
         size = self.cfg.data.feature_batch_size
@@ -190,13 +190,24 @@ class Trainer:
             x = self.augment.test_view(batch.images, batch.sizes)
             with autocast:
                 if recorder is not None:
-                    tokens = backbone.frozen_tokens(x)
+                    tokens = self._full_batch(backbone.frozen_tokens, x)
                     recorder.add(tokens, batch)
                     x = PrefixTokens(tokens)
-                f = embed(x)
+                f = self._full_batch(embed, x)
             yield f, batch.targets, batch.labelled, batch.uq
         if recorder is not None:
             recorder.finish()
+
+    def _full_batch(self, fn: Callable, x: Tensor | PrefixTokens) -> Tensor:
+        """`fn(x)` for a feature-pass batch. Compiled modules see one batch size in every pass: a smaller batch (the
+        last of a split) is padded to `data.feature_batch_size` rows with copies of its first row and the output cut
+        back, so no pass compiles a graph for its remainder (in evaluation mode each row is computed alone)."""
+        rows = x.tokens if isinstance(x, PrefixTokens) else x
+        size, n = self.cfg.data.feature_batch_size, len(rows)
+        if n == size or self.compiled is None or not self.compiled.compiled:
+            return fn(x)
+        padded = torch.cat([rows, rows[:1].expand(size - n, *rows.shape[1:])])
+        return fn(PrefixTokens(padded) if isinstance(x, PrefixTokens) else padded)[:n]
 
     def gather_table(self, fs: FeatureSet, values: Tensor, fill: int = -1) -> Tensor:
         """Per-sample `values` of this rank's share (aligned with `fs.uq`) as the complete table indexed by uq,
@@ -404,18 +415,30 @@ class Trainer:
         d, model = self.cfg.data, self.model
         buffers = [b.clone() for b in model.buffers()]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            shape = (3, d.crop_size, d.crop_size)
+            shape = (len(d.mean), d.crop_size, d.crop_size)  # the images' channels, as the augmentation checks
             with self.autocast():
                 out = model(torch.zeros(2 * d.batch_size, *shape, device=self.device))
             (out.projection.sum() + out.backbone.float().sum()).backward()
             model.eval()
             with torch.no_grad(), self.autocast():
-                model.features(torch.zeros(d.feature_batch_size, *shape, device=self.device))
+                self._trace_feature_passes(torch.zeros(d.feature_batch_size, *shape, device=self.device))
             model.train()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), buffers, strict=True):
                 buffer.copy_(saved)
+
+    def _trace_feature_passes(self, x: Tensor) -> None:
+        """The forwards of the feature passes at their one batch size (`_full_batch`): backbone features and the
+        codes' pass (the whole model), on images and, where the token cache may hold the frozen prefix's output, on
+        that output as the cache records and replays it."""
+        model = self.model
+        inputs = [x]
+        if model.backbone.prefix_is_pure:
+            inputs.append(PrefixTokens(model.backbone.frozen_tokens(x)))
+        for batch in inputs:
+            model.features(batch)
+            model(batch)
 
     def steps_per_epoch(self) -> int:
         """Training steps of an epoch: full global batches of the readable samples, capped by

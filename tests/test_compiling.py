@@ -5,11 +5,12 @@ by stand-ins that either fail at the first call (as an inductor error does) or c
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
-from infosieve_fast.compiling import compile_with_fallback, compiled_modules
+from infosieve_fast.compiling import RECOMPILE_LIMIT, CompileOutcome, compile_with_fallback, compiled_modules
 from infosieve_fast.config import ConfigError, load_config
 from infosieve_fast.engine import Trainer
-from infosieve_fast.model import Backbone
+from infosieve_fast.model import Backbone, PrefixTokens
 
 FAKE_CUDA = torch.device("cuda")  # only the setting logic reads the device; the modules stay on the CPU
 SMALL = [
@@ -32,7 +33,7 @@ def small_config(*extra):
 def batchnorm_trainer() -> Trainer:
     """A trainer whose backbone keeps running statistics (BatchNorm), so a forward in training mode changes a buffer."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.AdaptiveAvgPool2d(1), nn.Flatten())  # 1: digits
     return Trainer(small_config(), backbone=Backbone(net, 4, None))
 
 
@@ -78,7 +79,7 @@ def test_auto_on_the_cpu_trains_eager_and_the_first_epoch_says_so():
 
 def test_a_failed_compile_under_auto_runs_eager_and_gives_the_same_outputs(monkeypatch, capsys):
     trainer = batchnorm_trainer()
-    x = torch.rand(4, 3, 8, 8)
+    x = torch.rand(4, 1, 8, 8)
     trainer.model.eval()
     expected = trainer.model.features(x)
     monkeypatch.setattr(nn.Module, "compile", failing_compile)
@@ -118,10 +119,82 @@ def test_the_probe_runs_every_compiled_module_and_leaves_the_trainer_as_it_was(m
     outcome = compile_with_fallback(compiled_modules(trainer.model), "auto", FAKE_CUDA, trainer._trace_graphs)
     assert outcome.compiled and outcome.seconds > 0 and "modules compiled: 1" in outcome.reason
 
-    assert calls == {id(trainer.model.projection): 1}  # the projection runs in the step; features() skips it
+    assert calls == {id(trainer.model.projection): 2}  # the step and the codes' pass; features() skips it
     after = trainer.model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert before["backbone.net.1.num_batches_tracked"] == 0  # the probe's train-mode forward was undone
     assert all(p.grad is None for p in trainer.model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
     assert trainer.model.training
+
+
+def test_the_probe_gives_the_network_the_images_channels(monkeypatch):
+    """The demo's backbone takes one channel (the digits'): the probe's images have as many channels as the data
+    (`data.mean`), so compiling it succeeds instead of falling back on a channel mismatch."""
+    trainer = Trainer(small_config())
+    monkeypatch.setattr(nn.Module, "compile", counting_compile({}))
+    outcome = compile_with_fallback(compiled_modules(trainer.model), "auto", FAKE_CUDA, trainer._trace_graphs)
+    assert outcome.compiled, outcome.reason
+
+
+def dynamo_tracing_only(monkeypatch):
+    """`nn.Module.compile` with Dynamo's eager backend: the graphs are traced and cached as under inductor (the same
+    guards and limits), without generating code."""
+    compile_ = nn.Module.compile
+    monkeypatch.setattr(nn.Module, "compile", lambda module, **kw: compile_(module, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def split_vit_config(*extra):
+    """A tiny split ViT (10 frozen blocks, 2 trained) on 100 digits: feature batches of 32 end with a batch of 4."""
+    return small_config(
+        "model.backbone=vit_tiny_patch16_224", 'model.backbone_kwargs={"img_size": 32, "in_chans": 1}',
+        "model.grad_from_block=10", "train.train_subset=100", "data.feature_batch_size=32",
+        "train.max_steps_per_epoch=2", "train.eval_every=1", *extra,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_after_the_probe_a_run_compiles_nothing_more(monkeypatch):
+    """Every graph a run uses is compiled by the probe: the evaluations (recording and replaying the token cache, the
+    codes' pass), the epochs' feature passes with their last, smaller batch, and the steps add none, and no code
+    object reaches Dynamo's limit (past it, Dynamo would run the forward eagerly without an error)."""
+    dynamo_tracing_only(monkeypatch)
+    trainer = Trainer(split_vit_config())
+    trainer.compiled = compile_with_fallback(compiled_modules(trainer.model), "auto", FAKE_CUDA, trainer._trace_graphs)
+    assert trainer.compiled.compiled, trainer.compiled.reason
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
+    graphs = counters["stats"]["unique_graphs"]
+    trainer.evaluate()
+    trainer.train_epoch(0)
+    trainer.evaluate_epoch()  # the cache's replay and the codes
+    trainer.train_epoch(1)
+    assert trainer.token_cache.replay("train") is not None
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not any("recompile" in reason.lower() for reason in counters["unimplemented"])
+
+
+@pytest.mark.parametrize("tokens", [False, True])
+def test_a_smaller_batch_runs_padded_to_the_feature_batch_and_keeps_its_own_rows(tokens):
+    """Compiled, the last batch of a pass runs at `data.feature_batch_size` rows (copies of its first row added) and
+    its own rows come back: each row is computed alone in evaluation mode, so they equal the unpadded features."""
+    torch.manual_seed(0)
+    trainer = Trainer(split_vit_config())
+    model = trainer.model.eval()
+    x = torch.rand(5, 1, 32, 32)
+    if tokens:
+        x = PrefixTokens(model.backbone.frozen_tokens(x))
+    seen = []
+
+    def features(batch):
+        seen.append(len(batch.tokens if tokens else batch))
+        return model.features(batch)
+
+    with torch.no_grad():
+        want = trainer._full_batch(features, x)  # eager: as it is
+        trainer.compiled = CompileOutcome(True, "compiled", 0.0)
+        got = trainer._full_batch(features, x)
+    assert seen == [5, 32]
+    assert got.shape == want.shape == (5, model.backbone.feat_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
