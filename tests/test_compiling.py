@@ -198,3 +198,20 @@ def test_a_smaller_batch_runs_padded_to_the_feature_batch_and_keeps_its_own_rows
     assert seen == [5, 32]
     assert got.shape == want.shape == (5, model.backbone.feat_dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_configurations_of_one_process_all_compile_within_dynamos_limit(monkeypatch):
+    """bench_train compiles several trainers in one process, and each configuration adds graphs of the blocks' code
+    object: the default, frozen_bf16 (its frozen blocks in bf16) and a CUDA-graph step (autocast without its cast
+    cache) together stay within the limit compiling sets, so none runs eagerly unnoticed."""
+    dynamo_tracing_only(monkeypatch)
+    for extra, autocast_cache in (([], True), (["train.frozen_bf16=true"], True), ([], False)):
+        trainer = Trainer(split_vit_config("train.amp=bf16", "train.eval_every=0", *extra))
+        trainer._autocast_cache = autocast_cache  # what train.cuda_graph sets on CUDA
+        modules = compiled_modules(trainer.model)
+        trainer.compiled = compile_with_fallback(modules, "auto", FAKE_CUDA, trainer._trace_graphs)
+        trainer.train_epoch(0)
+        assert trainer.compiled.compiled, trainer.compiled.reason
+    assert counters["stats"]["unique_graphs"] > 2 * 9  # the three configurations' graphs (9 each at most) differ
+    assert not any("recompile" in reason.lower() for reason in counters["unimplemented"])
