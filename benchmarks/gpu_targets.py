@@ -56,6 +56,16 @@ def kmeans_run(precision: str, key: str, scale: float = 1.0) -> Reader:
     return read
 
 
+def path_taken(key: str, wanted: str) -> Reader:
+    """1 where the string at `key` is `wanted` (the path a variant ran: compiled, graph), 0 where it is another."""
+
+    def read(data: dict) -> float | None:
+        value = at(data, key)
+        return None if value is None else float(value == wanted)
+
+    return read
+
+
 def kernel_case(group: str, variant: str, key: str, **shape) -> Reader:
     """`key` of `variant` in the kernel case of that shape."""
 
@@ -89,9 +99,15 @@ TARGETS = [
     Target(19, "... GPU utilisation, mean %", EPOCH, "summary.gpu_utilisation_mean_percent"),
     Target(20, "default step, × published bf16", TRAIN, "summary.step_speedup_vs_published_bf16.value", ">=", 2.0),
     Target(20, "default step, × published fp32", TRAIN, "summary.step_speedup_vs_published_fp32.value", ">=", 10.0),
+    Target(20, "default step compiled (1), or eager after a failed compile (0)", TRAIN,
+           "step.variants.fast_default.compile", ">=", 1.0,
+           path_taken("step.variants.fast_default.compile", "compiled")),
     Target(20, "default step: ms", TRAIN, "step.variants.fast_default.ms_per_step"),
     Target(20, "... replayed from a CUDA graph (train.cuda_graph=on): ms", TRAIN,
            "step.variants.fast_graph.ms_per_step"),
+    Target(20, "... the graph captured (1), or eager after a failed capture (0)", TRAIN,
+           "step.variants.fast_graph.cuda_graph", ">=", 1.0,
+           path_taken("step.variants.fast_graph.cuda_graph", "graph")),
     Target(20, "default step MFU, measured GEMM rate", TRAIN, "summary.step_mfu_measured_gemm", ">=", 0.5),
     Target(20, "default step MFU, datasheet peak", TRAIN, "summary.step_mfu_datasheet"),
     Target(20, "default peak memory, × published fp32", TRAIN, "summary.peak_memory_ratio_vs_published_fp32.value",

@@ -23,6 +23,7 @@ RESULTS = {
             "step_mfu_datasheet": 0.41,
             "epoch_seconds": 1.8,
         },
+        "step": {"variants": {"fast_default": {"compile": "compiled"}, "fast_graph": {"cuda_graph": "eager"}}},
         "epoch": {"fast_default": {"phase_seconds": {"features": 0.5, "kmeans": 0.15}}},
     },
     "kernels.json": {
@@ -42,6 +43,8 @@ EXPECTED = {  # target -> (value, holds), by hand from RESULTS
     "default step, × published bf16": (2.25, "yes"),
     "default step, × published fp32": (9.5, "no"),
     "default step MFU, measured GEMM rate": (None, "owed"),
+    "default step compiled (1), or eager after a failed compile (0)": (1.0, "yes"),
+    "... the graph captured (1), or eager after a failed capture (0)": (0.0, "no"),
     "default step MFU, datasheet peak": (0.41, "reported"),
     "CUB-size epoch: s": (1.8, "yes"),  # the bound itself holds
     "feature pass at CUB size: s": (0.5, "no"),
