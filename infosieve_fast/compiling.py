@@ -1,9 +1,10 @@
 """`train.compile`: `torch.compile` of the backbone's blocks and the projection head, on by default on CUDA.
 
 The math is unchanged, so `auto` (the default) compiles wherever it works: on CUDA it compiles, then runs a probe
-that traces every graph the run will use (the training step's forward and backward, the feature pass's forward). If
-compiling fails, the modules go back to eager and the run goes on; a line on stderr and the epoch record say which
-path ran and why. `on` raises instead of falling back; `off` never compiles. On the CPU `auto` stays eager:
+that traces every graph the run will use (the training step's forward and backward; the feature passes' forwards:
+backbone features and the codes' pass, on images and on the token cache's frozen-prefix output). If compiling fails,
+the modules go back to eager and the run goes on; a line on stderr and the epoch record say which path ran and why.
+`on` raises instead of falling back; `off` never compiles. On the CPU `auto` stays eager:
 torch.compile does not pay there, and `on` is refused.
 
 Compiling happens once per process, before the first epoch's feature pass, so its time is reported apart from the
