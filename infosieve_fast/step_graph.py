@@ -14,7 +14,7 @@ values in the same tensors.
 
 A capture bakes in the values the step reads from the host: the learning rate and the code head's age are arguments of
 the kernels it recorded. The trainer passes them as the step's `host_values`; when they change (every epoch) the step
-is captured again, which costs about one eager step. What the step reads from the device it reads at each replay: the
+is captured again (`seconds_capture`, in each epoch record). What the step reads from the device it reads at each replay: the
 views, targets, labelled mask and pseudo-labels are copied into the graph's input tensors first, and the positional
 weights are buffers updated in place. Autocast's weight-cast cache is off in this mode (a capture must not keep casts
 across replays); the casts it would have kept are recomputed, with the same values.
