@@ -8,16 +8,17 @@ values in the same tensors.
 - `auto`: on CUDA in a single process, the first `WARMUP_STEPS` steps of a process run eagerly on the capture's side
   stream (so library handles, workspaces, the optimizer's state and the kernels' compilation exist before capture),
   the next step is captured and replayed, and every later step is a replay. Where it cannot run (the CPU; torchrun,
-  whose DistributedDataParallel reduces gradients outside the graph) or the capture fails, the steps run eagerly, and a
-  line on stderr and the epoch record (`cuda_graph`, `cuda_graph_reason`) say which path ran and why.
+  whose DistributedDataParallel reduces gradients outside the graph) or the capture fails, the steps run eagerly: the
+  epoch record says which path ran (`cuda_graph`), and a failed capture's warning on stderr says why.
 - `on`: as `auto`, but raises instead of running eagerly.
 
 A capture bakes in the values the step reads from the host: the learning rate and the code head's age are arguments of
 the kernels it recorded. The trainer passes them as the step's `host_values`; when they change (every epoch) the step
-is captured again (`seconds_capture`, in each epoch record). What the step reads from the device it reads at each replay: the
-views, targets, labelled mask and pseudo-labels are copied into the graph's input tensors first, and the positional
-weights are buffers updated in place. Autocast's weight-cast cache is off in this mode (a capture must not keep casts
-across replays); the casts it would have kept are recomputed, with the same values.
+is captured again, and each epoch record holds what its capture took (`seconds_cuda_graph_capture`). What the step
+reads from the device it reads at each replay: the views, targets, labelled mask and pseudo-labels are copied into the
+graph's input tensors first, and the positional weights are buffers updated in place. Autocast's weight-cast cache is
+off in this mode (a capture must not keep casts across replays); the casts it would have kept are recomputed, with
+the same values.
 """
 
 from __future__ import annotations
