@@ -21,7 +21,6 @@ compiling raises that limit to `RECOMPILE_LIMIT` where it is lower.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import distributed as dist
+from .notices import error_line, notice
 
 RECOMPILE_LIMIT = 64  # graphs per code object (torch's default: 8); one run's split ViT blocks need 7
 
@@ -47,11 +46,6 @@ class CompileOutcome:
     def fields(self) -> dict:
         """As a benchmark reports it."""
         return {"compile": self.path, "compile_reason": self.reason, "seconds_compile": self.seconds}
-
-
-def report(line: str) -> None:
-    if dist.is_main_process():
-        print(f"infosieve: {line}", file=sys.stderr, flush=True)
 
 
 def compiled_modules(model: nn.Module) -> list[nn.Module]:
@@ -83,19 +77,18 @@ def compile_with_fallback(
     try:
         probe()
     except Exception as err:
-        first_line = (str(err).strip().splitlines() or [""])[0][:300]
         if setting == "on":
             raise RuntimeError(
-                f"train.compile=on: torch.compile failed ({type(err).__name__}: {first_line}); set train.compile=auto "
-                "to fall back to eager, or off"
+                f"train.compile=on: torch.compile failed ({error_line(err)}); set train.compile=auto to fall back to "
+                "eager, or off"
             ) from err
         for module in modules:
             module._compiled_call_impl = None  # what nn.Module.compile set: calls go back to the eager forward
         torch._dynamo.reset()
-        reason = f"train.compile=auto: torch.compile failed ({type(err).__name__}: {first_line}); running eager"
-        report(f"WARNING: {reason}")
+        reason = f"train.compile=auto: torch.compile failed ({error_line(err)}); running eager"
+        notice(f"WARNING: {reason}")
         return CompileOutcome(False, reason, 0.0)
     seconds = time.perf_counter() - start
     reason = f"train.compile={setting}: modules compiled: {len(modules)}, in {seconds:.1f} s"
-    report(reason)
+    notice(reason)
     return CompileOutcome(True, reason, seconds)

@@ -23,7 +23,6 @@ the same values.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from . import distributed as dist
+from .notices import error_line, notice
 
 WARMUP_STEPS = 3  # eager steps before the first capture of a process (what PyTorch's examples use)
 StepOutputs = dict[str, Tensor]
@@ -131,11 +130,6 @@ def plan(setting: str, device: torch.device, world_size: int) -> GraphPlan:
     return GraphPlan(False, f"train.cuda_graph=auto: eager ({why_not})")
 
 
-def report(line: str) -> None:
-    if dist.is_main_process():
-        print(f"infosieve: {line}", file=sys.stderr, flush=True)
-
-
 class GraphedStep:
     """Runs a step function as `train.cuda_graph` says: `step(body, inputs, host_values)`.
 
@@ -216,22 +210,19 @@ class GraphedStep:
         try:
             self._replay, self._outputs = self.capturer.capture(lambda: body(self._inputs))
         except Exception as err:
-            first_line = (str(err).strip().splitlines() or [""])[0][:300]
             if self.setting == "on":
                 raise RuntimeError(
-                    f"train.cuda_graph=on: capturing the step failed ({type(err).__name__}: {first_line}); set "
-                    "train.cuda_graph=auto to run it eagerly, or off"
+                    f"train.cuda_graph=on: capturing the step failed ({error_line(err)}); set train.cuda_graph=auto "
+                    "to run it eagerly, or off"
                 ) from err
-            self._drop_graph()
             self.capturer = self._inputs = None
-            failure = f"{type(err).__name__}: {first_line}"
-            self.reason = f"train.cuda_graph=auto: capturing the step failed ({failure}); eager"
-            report(f"WARNING: {self.reason}")
+            self.reason = f"train.cuda_graph=auto: capturing the step failed ({error_line(err)}); eager"
+            notice(f"WARNING: {self.reason}")
             return body(inputs)  # a capture records without running: this step has not run yet
         self.seconds_capture += time.perf_counter() - start
         self.captures += 1
         self._host_values = host_values
         if self.captures == 1:
-            report(f"{self.reason}: captured in {self.seconds_capture:.2f} s")
+            notice(f"{self.reason}: captured in {self.seconds_capture:.2f} s")
         self._replay()
         return self._outputs

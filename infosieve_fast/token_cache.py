@@ -11,15 +11,14 @@ quarter of its free memory, else in RAM below `data.memory_threshold_mb`, else n
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from . import distributed as dist
 from .data.base import Batch
 from .data.cache import cache_device
+from .notices import notice
 
 GPU_SHARE = 0.25  # of the free GPU memory when the first batch is seen: training needs the rest
 
@@ -90,12 +89,9 @@ class Recorder:
         c = self.cache
         where = cache_device("auto", c.device, needed_mb, GPU_SHARE, c.memory_threshold_mb)
         c.placement[self.split] = "recompute" if where is None else where.type
-        if dist.is_main_process():
-            place = {"cuda": "on the GPU", "cpu": "in RAM", "recompute": "nowhere: recomputed every pass"}
-            print(
-                f"infosieve: test-view tokens of the {self.split} split ({needed_mb:,.0f} MiB per rank) are kept "
-                f"{place[c.placement[self.split]]}",
-                file=sys.stderr,
-                flush=True,
-            )
+        place = {"cuda": "on the GPU", "cpu": "in RAM", "recompute": "nowhere: recomputed every pass"}
+        notice(
+            f"test-view tokens of the {self.split} split ({needed_mb:,.0f} MiB per rank) are kept "
+            f"{place[c.placement[self.split]]}"
+        )
         return where
