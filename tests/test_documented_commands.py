@@ -12,6 +12,10 @@ one entry of `PLAN`:
 - gpu: a CUDA command of benchmarks/gpu_check.sh, whose CPU rehearsal runs here;
 - ci: installing and testing, which CI itself does.
 A command that matches no entry fails the test: a new documented command must say how it is checked.
+
+The commands run in `bash` as written, but their `python`, `python3` and `infosieve` are tests/warm_python.py's shims:
+each command runs in a fork of one interpreter that has already imported torch and the package (and runs as a cold
+one would, tests/test_warm_python.py), so ~40 commands do not pay ~40 imports of torch.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import pytest
 from PIL import Image
 
 from infosieve_fast import cli, sweep
+from tests.warm_python import SOCKET_ENV, WarmPython
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -46,6 +51,7 @@ CALLS = (
     "PYTHONPATH=",
 )
 ONE_EPOCH = ["--set", "schedule.epochs=1", "--set", "kmeans.n_init=1"]
+TWO_STEPS = ["--set", "train.max_steps_per_epoch=2"]  # the demo's trainings: a run folder to read, not a model
 
 
 @dataclass(frozen=True)
@@ -226,7 +232,7 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
         shared = Path(bound["tmp"]) / "bench_tree_ablation"
         command += f" --out {shared if 'bench_tree_ablation' in command else out / 'runs'}"
     if command.startswith("infosieve train --config"):
-        command += f" {shlex.join(ONE_EPOCH)}" + ("" if "--out" in command else f" --out {out}/run")
+        command += f" {shlex.join(ONE_EPOCH + TWO_STEPS)}" + ("" if "--out" in command else f" --out {out}/run")
     if command.startswith("infosieve sweep"):
         small = ("train.train_subset=96", "data.batch_size=32", "train.max_steps_per_epoch=2")
         command += f" {shlex.join([*ONE_EPOCH, *(a for s in small for a in ('--set', s))])}"
@@ -237,15 +243,18 @@ COMMAND_TIMEOUT_S = 300
 LANES = 2  # commands run side by side, each with its share of the cores (two on CI's 2 cores)
 
 
-def run_shell(command: str) -> subprocess.CompletedProcess:
-    env = {
+def command_env() -> dict[str, str]:
+    """The environment every command runs in: smoke sizes, this checkout importable, a share of the cores."""
+    return {
         **os.environ,
         "INFOSIEVE_BENCH_SMOKE": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": str(sweep.threads_per_process(LANES)),
     }
-    command = re.sub(r"^python3? ", f"{sys.executable} ", command)
+
+
+def run_shell(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     with subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True) as proc:  # fmt: skip
         try:
@@ -298,13 +307,20 @@ def outcomes(bound, request) -> dict[tuple[str, str], tuple[str, subprocess.Comp
         else:
             lanes.setdefault("bench_tree_ablation" if "bench_tree_ablation" in command else command, []).append(command)
 
+    env = command_env()
+    warm = WarmPython.start(env)  # `python` and `infosieve` fork a process that has imported torch and the package
+    env |= {"PATH": f"{warm.shims}:{env['PATH']}", SOCKET_ENV: warm.socket}
+
     def run_lane(commands: list[str]) -> dict[str, subprocess.CompletedProcess]:
-        return {command: run_shell(command) for command in commands}
+        return {command: run_shell(command, env) for command in commands}
 
     done: dict[str, subprocess.CompletedProcess] = {}
-    with ThreadPoolExecutor(max_workers=LANES) as pool:
-        for lane in [pool.submit(run_lane, commands) for commands in lanes.values()]:
-            done |= lane.result()
+    try:
+        with ThreadPoolExecutor(max_workers=LANES) as pool:
+            for lane in [pool.submit(run_lane, commands) for commands in lanes.values()]:
+                done |= lane.result()
+    finally:
+        warm.stop()
     return {key: (command, done[command]) for key, command in bound_commands.items()}
 
 
