@@ -28,7 +28,8 @@ class EfficientNetLite(nn.Module):
     its BatchNorm). Convolutions pad "same" for any input size (the package's dynamic padding). Every BatchNorm keeps
     its ImageNet statistics (eval mode even while training; its affine weights train where the block does): batches
     of two augmented views of a small set would otherwise rewrite them. No drop-connect. The frozen prefix (stem and
-    blocks before the first trained one) runs without autograd.
+    blocks before the first trained one) runs without autograd; `store_frozen_prefix_in_bf16` (`train.frozen_bf16`)
+    stores it in bf16 and runs it in plain bf16, outside autocast.
     """
 
     def __init__(self, variant: str = "efficientnet-lite0", weights: str | Path | None = None):
@@ -45,6 +46,7 @@ class EfficientNetLite(nn.Module):
         self.stem = nn.Sequential(net._conv_stem, net._bn0, act)
         self.blocks = nn.ModuleList([*net._blocks, nn.Sequential(net._conv_head, net._bn1, act)])
         self.num_features = net._bn1.num_features
+        self.frozen_bf16 = False
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -53,17 +55,30 @@ class EfficientNetLite(nn.Module):
                 module.eval()
         return self
 
-    def forward(self, x: Tensor) -> Tensor:
-        def trains(module: nn.Module) -> bool:
-            return any(p.requires_grad for p in module.parameters())
+    def frozen_prefix(self) -> list[nn.Module]:
+        """The leading modules (the stem, then blocks) before the first one with a trained parameter."""
+        stages = [self.stem, *self.blocks]
+        cut = next((i for i, stage in enumerate(stages) if any(p.requires_grad for p in stage.parameters())), None)
+        return stages[: len(stages) if cut is None else cut]
 
-        cut = 0 if trains(self.stem) else next((i for i, b in enumerate(self.blocks) if trains(b)), len(self.blocks))
-        with torch.no_grad() if cut else contextlib.nullcontext():
-            x = self.stem(x)
-            for block in self.blocks[:cut]:
-                x = block(x)
-        for block in self.blocks[cut:]:
-            x = block(x)
+    def store_frozen_prefix_in_bf16(self) -> None:
+        prefix = self.frozen_prefix()
+        if not prefix:
+            raise ValueError("train.frozen_bf16 needs a frozen prefix: set model.grad_from_block")
+        for module in prefix:
+            module.to(torch.bfloat16)
+        self.frozen_bf16 = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        prefix = self.frozen_prefix()
+        in_bf16 = torch.autocast(x.device.type, enabled=False) if self.frozen_bf16 else contextlib.nullcontext()
+        with torch.no_grad(), in_bf16:
+            x = x.to(torch.bfloat16) if self.frozen_bf16 else x
+            for module in prefix:
+                x = module(x)
+        x = x.float() if self.frozen_bf16 else x
+        for module in [self.stem, *self.blocks][len(prefix) :]:
+            x = module(x)
         return x.mean((2, 3))
 
 

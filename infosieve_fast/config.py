@@ -183,7 +183,7 @@ class TrainConfig:
     # Speed switches (docs/training.md). The step never waits for the GPU: the finiteness check and the progress-bar
     # loss are read from the device every `check_every` steps (and at the end of the epoch).
     check_every: int = 50
-    frozen_bf16: bool = False  # the frozen ViT prefix stored and run in plain bf16 instead of under autocast
+    frozen_bf16: bool = False  # the frozen prefix (a split ViT's, efficientnet_lite0's) stored and run in plain bf16
     # torch.compile of the backbone blocks and the projection head: "auto" compiles on CUDA and falls back to eager if
     # compiling fails (the log says which ran), "on" raises instead, "off" never compiles (infosieve_fast/compiling.py)
     compile: str = "auto"

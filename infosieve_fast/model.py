@@ -45,7 +45,8 @@ class Backbone(nn.Module):
 
     `frozen_bf16=True` stores the frozen prefix in bf16 and runs it in plain bf16 (residual stream and LayerNorm
     included) instead of under fp32-autocast: autocast keeps LayerNorm and the residual adds in fp32 and casts every
-    activation back to bf16, which costs more than the frozen blocks' matmuls on a GPU. Off by default.
+    activation back to bf16, which costs more than the frozen blocks' matmuls on a GPU. Off by default. A backbone
+    that is not a split ViT takes it if it offers `store_frozen_prefix_in_bf16()` (efficientnet_lite0 does).
 
     `checkpoint_trained` (`train.checkpoint_blocks`, `recompute.py`): what the trained blocks keep for the backward
     pass. "cheap" keeps the matrix products' and attention's outputs and recomputes the cheap ops between them; "auto"
@@ -69,14 +70,19 @@ class Backbone(nn.Module):
         self._split_vit = grad_from_block is not None and hasattr(net, "blocks") and hasattr(net, "patch_embed")
         if checkpoint_trained not in recompute.MODES:
             raise ValueError(f"train.checkpoint_blocks must be one of {recompute.MODES}, got {checkpoint_trained!r}")
-        recomputing = checkpoint_trained in recompute.ALWAYS_RECOMPUTING
-        for name, on in (("frozen_bf16", frozen_bf16), ("checkpoint_blocks", recomputing)):
-            if on and not self._split_vit:
-                raise ValueError(
-                    f"train.{name} needs a timm ViT backbone with model.grad_from_block set (a frozen block prefix)"
-                )
+        if checkpoint_trained in recompute.ALWAYS_RECOMPUTING and not self._split_vit:
+            raise ValueError(
+                "train.checkpoint_blocks needs a timm ViT backbone with model.grad_from_block set (trained blocks)"
+            )
         self.frozen_bf16, self.checkpoint_trained = frozen_bf16, checkpoint_trained
-        if frozen_bf16:
+        if frozen_bf16 and not self._split_vit:
+            if not hasattr(net, "store_frozen_prefix_in_bf16") or grad_from_block is None:
+                raise ValueError(
+                    "train.frozen_bf16 needs a frozen block prefix: a timm ViT or efficientnet_lite0 backbone with "
+                    "model.grad_from_block set"
+                )
+            net.store_frozen_prefix_in_bf16()
+        elif frozen_bf16:
             for module in self._frozen_modules():
                 module.to(torch.bfloat16)
             for param in net.parameters(recurse=False):  # cls_token, pos_embed, ...

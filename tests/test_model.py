@@ -59,8 +59,8 @@ def test_frozen_bf16_runs_the_frozen_prefix_in_bf16_and_trains_the_rest_in_fp32(
     assert all(p.dtype == torch.float32 for p in restored.parameters())
 
 
-def test_frozen_bf16_needs_a_frozen_vit_prefix():
-    with pytest.raises(ValueError, match="needs a timm ViT backbone"):
+def test_frozen_bf16_needs_a_frozen_prefix():
+    with pytest.raises(ValueError, match="needs a frozen block prefix"):
         build_backbone(tiny_cfg(grad_from_block=None), frozen_bf16=True)
 
 
