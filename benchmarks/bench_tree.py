@@ -203,7 +203,7 @@ def main(argv=None) -> dict:
     p.add_argument("--diagnose", action="store_true", help="only the gradient measurement (seconds), as JSON")
     args = smoke.shrink(
         p.parse_args(argv), classes=2, seeds=[1],
-        more_sets=("schedule.epochs=1", "data.crop_size=64", "data.batch_size=32"),
+        more_sets=("schedule.epochs=1", "data.crop_size=32", "data.batch_size=32"),
     )
     if args.diagnose:
         result = {"diagnosis": diagnose()}
