@@ -69,17 +69,30 @@ class EfficientNetLite(nn.Module):
             module.to(torch.bfloat16)
         self.frozen_bf16 = True
 
-    def forward(self, x: Tensor) -> Tensor:
-        prefix = self.frozen_prefix()
+    @property
+    def prefix_is_pure(self) -> bool:
+        """Whether there is a frozen prefix: its output is then a function of the image alone, since no BatchNorm
+        here ever updates its statistics (`train`), so the token cache may keep it."""
+        return bool(self.frozen_prefix())
+
+    def frozen_tokens(self, x: Tensor) -> Tensor:
+        """The frozen prefix's output for images `x` (no autograd; bf16 under `frozen_bf16`)."""
         in_bf16 = torch.autocast(x.device.type, enabled=False) if self.frozen_bf16 else contextlib.nullcontext()
         with torch.no_grad(), in_bf16:
             x = x.to(torch.bfloat16) if self.frozen_bf16 else x
-            for module in prefix:
+            for module in self.frozen_prefix():
                 x = module(x)
-        x = x.float() if self.frozen_bf16 else x
-        for module in [self.stem, *self.blocks][len(prefix) :]:
+        return x
+
+    def from_frozen_tokens(self, tokens: Tensor) -> Tensor:
+        """Features from the frozen prefix's output: only the trained blocks run."""
+        x = tokens.float() if self.frozen_bf16 else tokens
+        for module in [self.stem, *self.blocks][len(self.frozen_prefix()) :]:
             x = module(x)
         return x.mean((2, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.from_frozen_tokens(self.frozen_tokens(x))
 
 
 def resolve_weights(weights: str | Path) -> Path:

@@ -106,23 +106,26 @@ class Backbone(nn.Module):
     def prefix_is_pure(self) -> bool:
         """Whether the frozen prefix's output is a function of the image alone, so it may be cached across passes: a
         split ViT whose frozen modules keep no running statistics (a BatchNorm there is updated by every training
-        forward, frozen or not)."""
+        forward, frozen or not), or a backbone that says so itself (`net.prefix_is_pure`, with `frozen_tokens` and
+        `from_frozen_tokens`: efficientnet_lite0)."""
         if not self._split_vit:
-            return False
+            return self.grad_from_block is not None and bool(getattr(self.net, "prefix_is_pure", False))
         modules = (m for frozen in self._frozen_modules() for m in frozen.modules())
         return not any(getattr(m, "track_running_stats", False) for m in modules)
 
     def frozen_tokens(self, x: Tensor) -> Tensor:
         """The frozen prefix's output for images `x` (no autograd), as `forward` computes it."""
         with torch.inference_mode():
-            return self._frozen_prefix(x)
+            return self._frozen_prefix(x) if self._split_vit else self.net.frozen_tokens(x)
 
     def forward(self, x: Tensor | PrefixTokens) -> Tensor:
         """Features of images `x`, or of `PrefixTokens` (the frozen prefix's output computed earlier: only the trained
         blocks and the head run)."""
         if isinstance(x, PrefixTokens):
             if not self._split_vit:
-                raise TypeError("PrefixTokens need a backbone split into a frozen prefix and trained blocks")
+                if not self.prefix_is_pure:
+                    raise TypeError("PrefixTokens need a backbone split into a frozen prefix and trained blocks")
+                return self.net.from_frozen_tokens(x.tokens)
             x = x.tokens
         elif not self._split_vit:
             return self.net(x)

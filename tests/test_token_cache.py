@@ -102,16 +102,15 @@ def test_the_setting_is_checked():
         trainer("train.token_cache=gpu")
 
 
-def test_the_test_split_replays_its_tokens_too(realdata, tmp_path, monkeypatch):
-    """From shards with a test split: the inductive test-split evaluation gives the same accuracy from replayed
-    tokens as recomputed, and the replay reads no test image."""
+def cifar_shards(realdata, tmp_path) -> list[str]:
+    """Overrides for shards of 16 train and 8 test images of three cifar10 classes (two known), 3 channels at 36 px."""
     for split, lo, hi in (("train", 0, 16), ("test", 16, 24)):
         for cls in ("airplane", "automobile", "bird"):
             (tmp_path / "raw" / split / cls).mkdir(parents=True)
             for src in sorted((realdata / "cifar10_test" / "test" / cls).glob("*.jpg"))[lo:hi]:
                 (tmp_path / "raw" / split / cls / src.name).symlink_to(src)
     make_shards("imagefolder", tmp_path / "raw", tmp_path / "shards", resize=36, known_classes=[0, 1], progress=False)
-    shards = [
+    return [
         "data.source=shards",
         f"data.shards={tmp_path / 'shards'}",
         "data.num_workers=0",
@@ -120,9 +119,37 @@ def test_the_test_split_replays_its_tokens_too(realdata, tmp_path, monkeypatch):
         "model.backbone_kwargs={in_chans: 3, img_size: 32, patch_size: 8, depth: 3}",
         "train.train_subset=null",
     ]
+
+
+def test_the_test_split_replays_its_tokens_too(realdata, tmp_path, monkeypatch):
+    """From shards with a test split: the inductive test-split evaluation gives the same accuracy from replayed
+    tokens as recomputed, and the replay reads no test image."""
+    shards = cifar_shards(realdata, tmp_path)
     cached, plain = trainer(*shards), trainer(*shards, "train.token_cache=off")
     centers = torch.nn.functional.normalize(torch.randn(3, cached.model.backbone.feat_dim), dim=1)
     first = cached.evaluate_test(centers)
     assert cached.token_cache.placement == {"test": "cpu"}
     monkeypatch.setattr(cached.source, "test_batches", no_images)
     assert cached.evaluate_test(centers) == first == plain.evaluate_test(centers)
+
+
+@pytest.mark.parametrize("frozen_bf16", ["false", "true"])
+def test_efficientnet_lite0_replays_its_frozen_blocks_output(realdata, tmp_path, monkeypatch, frozen_bf16):
+    """efficientnet_lite0's BatchNorms never update, so its frozen stem and blocks are cached like a ViT's prefix:
+    replayed features equal recomputed ones before and after training, in fp32 and with the prefix in bf16."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    lite0 = [*cifar_shards(realdata, tmp_path), "model.backbone=efficientnet_lite0", "model.backbone_kwargs={}",
+             "model.grad_from_block=15", f"train.frozen_bf16={frozen_bf16}"]  # fmt: skip
+    cached, plain = trainer(*lite0), trainer(*lite0, "train.token_cache=off")
+    assert cached.model.backbone.prefix_is_pure
+    first = cached.extract_features("test")
+    assert cached.token_cache.placement == {"train": "cpu"}
+    stored = cached.token_cache.splits["train"][0].tokens.dtype
+    assert stored == (torch.bfloat16 if frozen_bf16 == "true" else torch.float32)
+    assert_same_features(first, plain.extract_features("test"))
+    for t in (cached, plain):
+        t.train_epoch(0)
+    monkeypatch.setattr(cached.source, "feature_batches", no_images)
+    after = cached.extract_features("test")
+    assert_same_features(after, plain.extract_features("test"))
+    assert not torch.equal(after.feats, first.feats)
