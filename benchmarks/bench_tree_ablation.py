@@ -35,6 +35,13 @@ from benchmarks.provenance import ROOT, device_name, emit_json, git_state
 from infosieve_fast.config import load_config
 from infosieve_fast.data.memory import InMemoryGCD
 
+# What the cached views fix (`cache_views`: the config's backbone and its augmentation) or what has nothing to act on
+# (the variants train the heads on an identity backbone): a `--set` of these would change nothing, so it is refused.
+FIXED_BY_THE_CACHE = (
+    "model.backbone", "model.pretrained", "model.backbone_kwargs", "model.grad_from_block", "optim.backbone_lr_scale",
+    "data.crop_size", "data.hflip", "data.mean", "data.std", "data.color_jitter", "train.frozen_bf16",
+    "train.checkpoint_blocks",
+)  # fmt: skip
 REPORTED = ("code_all", "code_old", "code_new", "prefixes_8", "purity_8", "nmi_8", "purity_4", "nmi_4", "mean_length")
 TERMS = ("loss_code_infonce", "loss_code_supcon_pseudo", "loss_code_supcon_gt")
 
@@ -140,6 +147,12 @@ def main(argv=None) -> dict:
     args = smoke.shrink(
         p.parse_args(argv), classes=2, seeds=[1], views=2, more_sets=("schedule.epochs=1", "data.batch_size=32")
     )
+    fixed = [item for item in args.set if item.partition("=")[0].strip() in FIXED_BY_THE_CACHE]
+    if fixed:
+        p.error(
+            f"--set {' '.join(fixed)}: the variants train on cached features of configs/cub100-tree.yaml's backbone "
+            "and augmentation, so this would change nothing; benchmarks/bench_tree.py trains the backbone with it"
+        )
 
     from infosieve_fast.data.shards import make_shards
 

@@ -1,4 +1,5 @@
-"""bench_tree reuses a run folder only for the same config and never overwrites one that holds another config's run."""
+"""bench_tree reuses a run folder only for the same config and never overwrites one that holds another config's run;
+bench_tree_ablation refuses a `--set` that its cached backbone features would ignore."""
 
 import pytest
 
@@ -32,3 +33,13 @@ def test_each_species_range_has_its_own_shard_folder(tmp_path):
     ranges = [(classes, first) for classes in (1, 2, 20, 60, 80) for first in (0, 1, 20, 60) if first + classes <= 100]
     folders = {subset_folder(tmp_path, classes, first) for classes, first in ranges}
     assert len(folders) == len(ranges)  # two ranges never share shards
+
+
+@pytest.mark.parametrize("item", ["data.crop_size=64", "model.backbone=vit_small_patch16_224", "train.frozen_bf16=1"])
+def test_the_ablation_refuses_a_setting_its_cached_features_fix(item, capsys):
+    from benchmarks.bench_tree_ablation import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--set", "loss.zeta=10.0", "--set", item, "--out", "/nonexistent/never-written"])
+    assert exit_.value.code == 2
+    assert f"--set {item}: the variants train on cached features" in capsys.readouterr().err
