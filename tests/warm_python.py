@@ -38,20 +38,20 @@ def _command(argv: list[str]) -> list[str] | None:
     """The request for `python argv...` the server understands ([kind, target, *args]), or None."""
     if argv[:1] == ["-u"]:
         argv = argv[1:]
-    return [argv[0], argv[1], *argv[2:]] if len(argv) >= 2 and argv[0] in ("-m", "-c") else None
+    return argv if len(argv) >= 2 and argv[0] in ("-m", "-c") else None
 
 
 def client(argv: list[str]) -> int:
     """Run `argv` (what follows the shim: `python`'s arguments, or `--entry NAME` and a console script's) on the
     server, or cold where there is no server or the arguments are not understood."""
     entry = argv[1] if argv[:1] == ["--entry"] else None
-    request = ["entry", entry, *argv[2:]] if entry else _command(argv)
+    command = ["entry", entry, *argv[2:]] if entry else _command(argv)
     path = os.environ.get(SOCKET_ENV)
-    if request is None or not path:
+    if command is None or not path:
         program = os.path.join(os.path.dirname(sys.executable), entry) if entry else sys.executable
         os.execv(program, [program, *(argv[2:] if entry else argv)])
     unbuffered = argv[:1] == ["-u"] or bool(os.environ.get("PYTHONUNBUFFERED"))
-    request = {"argv": request, "cwd": os.getcwd(), "env": dict(os.environ), "unbuffered": unbuffered}
+    request = {"argv": command, "cwd": os.getcwd(), "env": dict(os.environ), "unbuffered": unbuffered}
     payload = json.dumps(request).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
