@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from infosieve_fast.data.augment import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DeviceAugment
+from infosieve_fast.data.base import Batch
 from infosieve_fast.data.pools import BufferPool
 
 
@@ -72,6 +73,22 @@ def test_bad_inputs():
         aug.train_views(_images(), 2, torch.Generator())
     with pytest.raises(ValueError, match="uint8"):
         aug.test_view(_images().float())
+
+
+def test_the_sizes_are_read_on_the_host_so_the_host_never_waits_for_the_device():
+    """A batch of images of different sizes moved to the `meta` device (shapes without data: reading any value of it
+    raises) keeps its sizes on the host, and the test view's checks and shape need no value from the device. Reading
+    the sizes' minimum from a device copy, as before, makes the host wait for a CUDA device at every batch."""
+    sizes = torch.tensor([[40, 48], [36, 40], [40, 34], [33, 48]])
+    n = len(sizes)
+    labels = torch.zeros(n, dtype=torch.long)
+    batch = Batch(_images(n, 40, 48), labels, torch.arange(n), torch.ones(n, dtype=torch.bool), sizes)
+    on_meta = batch.to("meta")
+    assert on_meta.images.device.type == "meta" and on_meta.sizes is sizes
+    view = DeviceAugment(AugmentConfig(crop_size=32)).test_view(on_meta.images, on_meta.sizes)
+    assert view.device.type == "meta" and view.shape == (n, 3, 32, 32)
+    with pytest.raises(ValueError, match="an image of 33x34 is smaller than crop_size=34"):  # the least h, the least w
+        DeviceAugment(AugmentConfig(crop_size=34)).test_view(on_meta.images, on_meta.sizes)
 
 
 def test_device_matches_cpu(device):

@@ -8,6 +8,7 @@ import torch
 from infosieve_fast import cli
 from infosieve_fast.checkpoint import load_checkpoint, read_log, restore_rng_state, rng_state, save_checkpoint
 from infosieve_fast.config import load_config
+from infosieve_fast.data.base import Batch
 from infosieve_fast.engine import Trainer
 from infosieve_fast.loss_monitor import LossMonitor, NonFiniteLoss
 from infosieve_fast.model import Backbone
@@ -181,12 +182,25 @@ def test_loss_monitor_reports_the_first_non_finite_step_with_its_terms():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-sync detection needs CUDA")
-def test_a_training_step_never_waits_for_the_gpu():
+@pytest.mark.parametrize("sized", [False, True], ids=["one_size", "different_sizes"])
+def test_a_training_step_never_waits_for_the_gpu(sized):
+    """`different_sizes`: each image of a batch has its own size (`Batch.sizes`, on the host, as the shard stream and
+    the decoded cache serve them; here sizes between the crop and the stored 36 px), so every crop is drawn inside its
+    own image's size."""
     trainer = Trainer(load_config("configs/demo.yaml", [*SMOKE, "train.device=cuda"]))
     pseudo = torch.zeros(trainer.source.n_train, dtype=torch.long, device=trainer.device)
     gen = torch.Generator(device=trainer.device).manual_seed(0)
     monitor = LossMonitor(0)
     batches = trainer.source.train_batches(64, epoch=0, seed=0)
+    if sized:
+        crop, stored = trainer.cfg.data.crop_size, trainer.cfg.data.digits.image_size
+        draws = torch.Generator().manual_seed(1)
+        batches = (
+            Batch(
+                b.images, b.targets, b.uq, b.labelled, torch.randint(crop, stored + 1, (len(b.uq), 2), generator=draws)
+            )
+            for b in batches
+        )
     for batch in (next(batches), next(batches)):  # kernel compilation and allocator growth outside the check
         trainer.train_step(batch, pseudo, gen, monitor)
     batch = next(batches)

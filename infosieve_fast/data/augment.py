@@ -1,7 +1,7 @@
 """Batched augmentation on the device: random crop, horizontal flip, optional colour jitter, normalise.
 
 The CPU only decodes; the views are made here from uint8 batches. The reference's `ColorJitter()` has no arguments
-and is the identity, so colour jitter is off by default (REFERENCE.md §4).
+and is the identity, so colour jitter is off by default (docs/reference.md §4).
 """
 
 from __future__ import annotations
@@ -41,13 +41,19 @@ class DeviceAugment:
         self._affine: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def _check(self, images: Tensor, sizes: Tensor | None) -> Tensor | None:
-        """Validates the batch; returns `sizes` (on the images' device), or None when every image fills the batch."""
+        """Validates the batch; returns `sizes` (on the images' device), or None when every image fills the batch.
+
+        `sizes` should come on the host (`Batch.sizes`): their minimum is read there, before they are copied to the
+        device, so the host never waits for the device (reading it from a device copy would, at every batch)."""
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"images must be a uint8 [B, C, H, W] batch, got {images.dtype} {tuple(images.shape)}")
         h, w = images.shape[-2:]
         if sizes is not None:
-            sizes = sizes.to(images.device)
-            h, w = (int(v) for v in sizes.min(0).values) if len(sizes) else (h, w)
+            host = sizes.cpu()
+            h, w = (int(v) for v in host.min(0).values) if len(host) else (h, w)
+            if images.is_cuda and not host.is_pinned():
+                host = host.pin_memory()  # so the copy below is asynchronous (from pageable memory it may not be)
+            sizes = host.to(images.device, non_blocking=True)
         if min(h, w) < self.cfg.crop_size:
             raise ValueError(
                 f"an image of {h}x{w} is smaller than crop_size={self.cfg.crop_size}: lower the crop size or store "

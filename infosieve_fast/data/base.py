@@ -18,14 +18,16 @@ class Batch:
     targets: Tensor  # long [B], class index with the known classes first (0..n_old-1); -1 (NO_LABEL): none at all
     uq: Tensor  # long [B], the sample's unique index 0..n_train-1 (indexes the pseudo-label table)
     labelled: Tensor  # bool [B], True where the sample's label may be used for training
-    # long [B, 2]: each image's (height, width) when the images differ in size; they are then padded, top-left
-    # aligned, into `images` [B, C, max h, max w]. None: every image fills `images`.
+    # long [B, 2] on the host: each image's (height, width) when the images differ in size; they are then padded,
+    # top-left aligned, into `images` [B, C, max h, max w]. None: every image fills `images`.
     sizes: Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The batch with its tensors on `device`, but `sizes`: they stay on the host, where the augmentation reads
+        their minimum (a device copy would make the host wait for the device at every batch)."""
         return Batch(
             *(t.to(device, non_blocking=non_blocking) for t in (self.images, self.targets, self.uq, self.labelled)),
-            None if self.sizes is None else self.sizes.to(device, non_blocking=non_blocking),
+            self.sizes,
         )
 
 
@@ -41,9 +43,10 @@ class GCDSource(Protocol):
         """Every train sample exactly once (on this rank), in a fixed order, for the per-epoch feature pass."""
         ...
 
-    def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
+    def train_batches(self, batch_size: int, epoch: int, seed: int, skip: int = 0) -> Iterator[Batch]:
         """One epoch of training batches, drawn with the configured labelled share, full batches only; never a sample
-        passed to `exclude`."""
+        passed to `exclude`. `skip`: start after that many of the epoch's batches (none of them is read), as a run
+        resumed mid-epoch does."""
         ...
 
     def unreadable(self) -> list[int]:

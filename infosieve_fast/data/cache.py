@@ -82,7 +82,8 @@ class DecodedCache:
                 dist.broadcast_(self.flat[int(self.offset[lo]) : end], src=r)
 
     def gather(self, rows: Tensor) -> tuple[Tensor, Tensor | None]:
-        """(images, sizes) of the given rows: one indexing op when every image has the same size."""
+        """(images, sizes) of the given rows: one indexing op when every image has the same size. The sizes stay on
+        the host (`Batch.sizes`)."""
         dev = self.flat.device
         if self.uniform is not None:
             whole = self.flat.view(-1, 3, *self.uniform)
@@ -94,7 +95,7 @@ class DecodedCache:
         sizes = self.hw[rows]
         hm, wm = (int(v) for v in sizes.max(0).values)
         out = self._pool.get((len(rows), 3, hm, wm), torch.uint8) if dev.type == "cpu" else None
-        return pad_into(images, out)[0], sizes.to(dev)
+        return pad_into(images, out)[0], sizes
 
     def serve(
         self,
