@@ -3,8 +3,12 @@
 - `cheap`: keep the outputs of the matrix products and of attention, and recompute the cheap ops between them
   (norms, activations, residual adds, casts) in the backward pass, with torch's selective activation checkpointing.
 - `auto` (the default): `cheap` for a block on the GPU, except one that `train.compile` compiled (its graph's
-  partitioner already recomputes such ops instead of keeping them); `off` on the CPU, where memory is plentiful and
-  the selective checkpointing's per-op dispatch made the CPU step a little slower (a few percent, interleaved runs).
+  partitioner already recomputes such ops instead of keeping them) and one that runs inside a CUDA graph capture
+  (`train.cuda_graph`, `step_graph.py`); `off` there and on the CPU, where memory is plentiful and the selective
+  checkpointing's per-op dispatch made the CPU step a little slower (a few percent, interleaved runs). Under a
+  capture, checkpointing (`cheap` and `on` alike) saves the CUDA RNG state in the forward pass and restores it in the
+  backward pass, which no GPU run has yet shown a capture to accept; `off` keeps no RNG state, so a captured step is
+  safe. Only the captured step changes: the eager warm-up steps before it, and uncaptured runs, still use `cheap`.
 - `on`: keep only each trained block's input and recompute the whole block in the backward pass (one more forward of
   the trained blocks: the least memory).
 - `off`: keep every activation (the reference).
@@ -50,10 +54,11 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 def resolved(mode: str, block: nn.Module, x: Tensor) -> str:
-    """What `auto` means for `block` on `x`'s device; any other mode as it is."""
+    """What `auto` means for `block` on `x`'s device, in or out of a CUDA graph capture; any other mode as it is."""
     if mode != "auto":
         return mode
-    return "cheap" if x.is_cuda and not is_compiled(block) else "off"
+    capturing = x.is_cuda and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return "cheap" if x.is_cuda and not is_compiled(block) and not capturing else "off"
 
 
 def run_trained_block(block: nn.Module, x: Tensor, mode: str) -> Tensor:

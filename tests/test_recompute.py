@@ -1,6 +1,6 @@
 """train.checkpoint_blocks (infosieve_fast/recompute.py): the same outputs and gradients as keeping everything, bit for
 bit; `cheap` recomputes the cheap ops and no matrix product, `on` the whole trained blocks, and the memory order
-follows; `auto` is `cheap` only for an eager block on the GPU."""
+follows; `auto` is `cheap` only for an eager block on the GPU outside a CUDA graph capture."""
 
 import pytest
 import torch
@@ -100,6 +100,60 @@ def test_auto_is_cheap_for_an_eager_block_on_the_gpu_only():
     block._compiled_call_impl = block._call_impl  # what nn.Module.compile sets (a stand-in: nothing is compiled)
     assert recompute.resolved("auto", block, OnTheGpu()) == "off"
     assert [recompute.resolved(mode, block, OnTheGpu()) for mode in ("cheap", "on", "off")] == ["cheap", "on", "off"]
+
+
+def test_auto_keeps_everything_inside_a_cuda_graph_capture(monkeypatch):
+    """Inside a capture (`train.cuda_graph`) `auto` is `off` for an eager block on the GPU, so the captured step saves
+    and restores no RNG state; outside one it is `cheap` as before, and the explicit modes are left as they are. On a
+    CPU tensor the capture state is never asked (asking raises on a machine without a CUDA driver)."""
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # as it is wherever a tensor is on the GPU
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    block = torch.nn.Linear(3, 3)
+    assert recompute.resolved("auto", block, OnTheGpu()) == "off"
+    assert [recompute.resolved(mode, block, OnTheGpu()) for mode in ("cheap", "on", "off")] == ["cheap", "on", "off"]
+    capturing[0] = False
+    assert recompute.resolved("auto", block, OnTheGpu()) == "cheap"
+
+    def no_cuda():
+        raise RuntimeError("CUDA driver version is insufficient")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", no_cuda)
+    assert recompute.resolved("auto", block, torch.randn(2, 3)) == "off"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph capture needs CUDA")
+def test_auto_trains_a_split_vit_in_a_real_cuda_graph_with_the_eager_gradients():
+    """A forward and backward of trained blocks under `auto`, captured in a CUDA graph after eager warm-up steps on a
+    side stream (as `step_graph.CudaCapture` does): the capture succeeds and a replay's gradients equal the eager
+    step's bit for bit (the eager steps recompute the cheap ops, the captured one keeps them: the same values)."""
+    model = backbone("auto").cuda()
+    x = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(1)).cuda()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        out = model(x)
+        (out.float() * torch.arange(out.shape[1], device=out.device)).sum().backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager = [p.grad.clone() for p in params]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for p in params:
+        p.grad.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for p, want in zip(params, eager, strict=True):
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=0)
 
 
 def test_a_compiled_block_runs_as_it_is_under_auto(monkeypatch):
