@@ -126,7 +126,8 @@ def test_auto_keeps_everything_inside_a_cuda_graph_capture(monkeypatch):
 def test_auto_trains_a_split_vit_in_a_real_cuda_graph_with_the_eager_gradients():
     """A forward and backward of trained blocks under `auto`, captured in a CUDA graph after eager warm-up steps on a
     side stream (as `step_graph.CudaCapture` does): the capture succeeds and a replay's gradients equal the eager
-    step's bit for bit (the eager steps recompute the cheap ops, the captured one keeps them: the same values)."""
+    step's (the eager steps recompute the cheap ops, the captured one keeps them: the same values), within fp32's
+    default tolerance, since a GPU attention backward may sum in a different order from one run to the next."""
     model = backbone("auto").cuda()
     x = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(1)).cuda()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -153,7 +154,7 @@ def test_auto_trains_a_split_vit_in_a_real_cuda_graph_with_the_eager_gradients()
     graph.replay()
     torch.cuda.synchronize()
     for p, want in zip(params, eager, strict=True):
-        torch.testing.assert_close(p.grad, want, rtol=0, atol=0)
+        torch.testing.assert_close(p.grad, want)
 
 
 def test_a_compiled_block_runs_as_it_is_under_auto(monkeypatch):
