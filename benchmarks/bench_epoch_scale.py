@@ -11,18 +11,20 @@ nvJPEG on CUDA):
 1. shards: `--n` synthetic "natural" images (`pooled_shards`: crops of a pool of synthetic_shards' 1/f-texture, ellipse
    and noise images; ~55 KB JPEG quality 95 at shorter side 256, long side 256-384, half portrait) of `--classes`
    classes, written by make-shards on every core and reused from `--shards-dir`;
-2. loader alone: `--loader-batches` training batches read, decoded and delivered on the device; images/s; the same
-   with the other decode path (`loader_other_decode`: CPU workers vs nvJPEG) for comparison;
+2. loader alone: `--loader-batches` training batches read, decoded and delivered on the device; images/s;
 3. feature pass over all `--n` images (the trainer's `extract_features`: augmented view, bf16 forward); images/s;
 4. the training window: `Trainer.train_step` over the sampler's batches (epochs in a row) until `--steps` steps, timed
    from the first batch to the device's last kernel; ms/step, images/s, the host's time waiting for the loader
    (`loader_wait_fraction`), and GPU utilisation sampled by `nvidia-smi` every 200 ms (mean and median);
 5. projection for ImageNet-1k (1,281,167 train images, batch `--batch`): feature pass = N / its rate, steps =
    N // batch x ms/step, k-means = the ImageNet-size round measured by `bench_kmeans.py --scale imagenet1k`
-   (`--kmeans-json`: its fp32 run, the default config's; without it the projection leaves k-means out and says so).
+   (`--kmeans-json`: its fp32 run, the default config's; without it the projection leaves k-means out and says so);
+6. for comparison, the loader alone with the other decode path (`loader_other_decode`: CPU workers vs nvJPEG), last,
+   so the projection never waits for it; its failure is recorded there (`error`) and costs nothing else.
 The loader is "never the bottleneck" when it delivers faster than training consumes (`loader_vs_train` > 1) and the
 training loop almost never waits for it. The JSON is written after every phase (`phases_done`; `complete` once the
-projection is in), so a run cut short keeps what it measured. A ViT gets `img_size=--crop` (`model.backbone_kwargs`).
+projection is in; the comparison of step 6 follows), so a run cut short keeps what it measured. A ViT gets
+`img_size=--crop` (`model.backbone_kwargs`).
 """
 
 from __future__ import annotations
@@ -232,12 +234,6 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = build_trainer(args, shards)
     result.update(device=device_name(trainer.device), decode_on_gpu=trainer.source.gpu_decode)
     phase_done("loader", loader=loader_rate(trainer.source, args.batch, args.loader_batches))
-    other = "cpu" if trainer.source.gpu_decode else "gpu"
-    result["loader_other_decode"] = None  # nvJPEG needs a GPU
-    if other == "cpu" or trainer.device.type == "cuda":  # the other decode path, for comparison
-        src = ShardSource(shards, device=trainer.device, cache="off", decode=other, num_workers=args.workers, seed=1)
-        phase_done("loader_other_decode", loader_other_decode={"decode": other,
-                                                               **loader_rate(src, args.batch, args.loader_batches)})
     trainer.compile_once()  # the default path (train.compile=auto), compiled before the timed phases as training does
     phase_done("compile", compile=trainer.compiled.fields())
     features, fs = feature_pass(trainer)
@@ -264,8 +260,23 @@ def main(argv: list[str] | None = None) -> dict:
             "feature_images_per_s": features["images_per_s"],
         },
     )
+    phase_done("projection")
+    phase_done("loader_other_decode", loader_other_decode=other_decode_rate(trainer, shards, args))
     emit_json(result, args.json)
     return result
+
+
+def other_decode_rate(trainer: Trainer, shards: Path, args) -> dict | None:
+    """The loader with the other decode path (CPU workers against nvJPEG), for comparison: after the projection, and
+    its failure recorded in its own entry, so it costs nothing else. None where it cannot run (nvJPEG needs a GPU)."""
+    other = "cpu" if trainer.source.gpu_decode else "gpu"
+    if other == "gpu" and trainer.device.type != "cuda":
+        return None
+    try:
+        src = ShardSource(shards, device=trainer.device, cache="off", decode=other, num_workers=args.workers, seed=1)
+        return {"decode": other, **loader_rate(src, args.batch, args.loader_batches)}
+    except Exception as err:  # a comparison, not a measurement the projection needs
+        return {"decode": other, "error": f"{type(err).__name__}: {err}"}
 
 
 def project(features: dict, window: dict, batch: int, kmeans_json: str | None) -> dict:

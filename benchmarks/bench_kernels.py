@@ -40,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -342,7 +343,7 @@ def contrastive_case(n: int, d: int, bench: Bench, plan: dict, compiled_fn) -> d
 def parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", metavar="OUT", help="write the results here (also printed)")
+    parser.add_argument("--json", metavar="OUT", help="write the results here, after every case (else printed)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (CPU)")
     parser.add_argument("--budget-s", type=float, default=None, help="time budget (default 210 s on CUDA, 60 s on CPU)")
     parser.add_argument("--reps", type=int, default=20, help="timed runs per case at most (default 20)")
@@ -380,8 +381,8 @@ def run_meta(args, device: torch.device, argv, forced: str | None) -> dict:
     }
 
 
-def run_cases(bench: Bench, results: dict) -> None:
-    """Every case in `case_order`, appended to its group's list as it finishes."""
+def run_cases(bench: Bench, results: dict, on_case: Callable[[], None]) -> None:
+    """Every case in `case_order`, appended to its group's list as it finishes; `on_case()` after each."""
     args, device = bench.args, bench.device
     groups = [g for g in ("code_head", "contrastive") if args.only in (None, g)]
     compile_reference = device.type == "cuda" and not args.no_compile
@@ -396,6 +397,7 @@ def run_cases(bench: Bench, results: dict) -> None:
         else:
             results[group].append(contrastive_case(*shape, bench, plan, compiled[group]))
         _progress(results[group][-1])
+        on_case()
 
 
 def main(argv=None) -> int:
@@ -410,7 +412,13 @@ def main(argv=None) -> int:
     bench = Bench(device, budget, args, datasheet.card(meta["device"]) if device.type == "cuda" else None)
     meta["datasheet"] = dataclasses.asdict(bench.card) if bench.card else None
     results = {"meta": meta, "code_head": [], "contrastive": []}
-    run_cases(bench, results)
+
+    def write_so_far() -> None:  # a run cut short by a time limit keeps every case it finished
+        meta["budget_left_s"] = round(budget.left(), 1)
+        if args.json:
+            emit_json(results, args.json, indent=2, echo=False)
+
+    run_cases(bench, results, write_so_far)
     meta["budget_left_s"] = round(budget.left(), 1)
 
     emit_json(results, args.json, indent=2, echo=not args.json)

@@ -6,12 +6,12 @@ truth and pseudo-labels, HLoss x2, NormPLoss, BCE categorizer), plain SGD, fp32.
 same uint8 batch on the device and make their two views with the same `DeviceAugment` (the CPU loaders are compared in
 bench_loader.py), and both use the same random weights. torch's defaults hold for fp32 matmuls (no TF32).
 
-Step mode (always): for each variant, `--warmup` steps, then `--steps` steps timed between CUDA events (wall clock on
-the CPU), median ms/step, images/s (samples, not views), peak memory, and MFU = the step's FLOPs (counted from the
-published fp32 step with torch's FlopCounterMode) / time / a bf16 peak, twice: `mfu_measured_gemm` against the dense
-bf16 GEMM rate measured in this run, `mfu_datasheet` against the card's datasheet peak (`benchmarks/datasheet.py`; null
-for a card not in that table and for the CPU). The published step reads `loss.item()` after every step. Variants, in
-report order (the default and its fairest baseline first):
+Step mode (unless `--variants none`): for each variant, `--warmup` steps, then `--steps` steps timed between CUDA
+events (wall clock on the CPU), median ms/step, images/s (samples, not views), peak memory, and MFU = the step's
+FLOPs (counted from the published fp32 step with torch's FlopCounterMode) / time / a bf16 peak, twice:
+`mfu_measured_gemm` against the dense bf16 GEMM rate measured in this run, `mfu_datasheet` against the card's
+datasheet peak (`benchmarks/datasheet.py`; null for a card not in that table and for the CPU). The published step
+reads `loss.item()` after every step. Variants, in report order (the default and its fairest baseline first):
   fast_default      infosieve-fast with its default config (on CUDA: torch.compile, train.compile=auto)
   fast_eager        fast_default + train.compile=off + train.checkpoint_blocks=off (the default before compiling and
                     recomputing were: what earlier results call fast_default)
@@ -617,7 +617,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-classes", type=int, default=200)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--variants", default=None, help="comma list; default: all (those needing CUDA skipped on the CPU)")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma list, in the order they run (with --epoch the CUDA-only ones run after the epochs); 'none': no "
+        "step variant (an epoch-only run); default: all (those needing CUDA skipped on the CPU)",
+    )
     p.add_argument("--epoch", action="store_true", help="also time a whole epoch against the published epochs")
     p.add_argument("--epoch-variants", default=DEFAULT, help="comma list of fast variants for --epoch")
     p.add_argument("--n-train", type=int, default=5994, help="--epoch: train images (CUB's)")
@@ -659,7 +664,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         args.backbone_kwargs = json.loads(args.backbone_kwargs)
     except json.JSONDecodeError as err:
         p.error(f"--backbone-kwargs must be a JSON dict, e.g. '{{\"img_size\": 64}}': {err}")
-    args.variants = args.variants.split(",") if args.variants else list(REPORT_ORDER)
+    args.variants = [] if args.variants == "none" else args.variants.split(",") if args.variants else list(REPORT_ORDER)
     args.epoch_variants = args.epoch_variants.split(",")
     unknown = sorted(set(args.variants + args.epoch_variants) - set(REPORT_ORDER))
     if unknown:
@@ -724,9 +729,10 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
         report["summary"] = summarise(report)
         emit(report)
 
-    # The torch.compile variants compile for a minute or more: they run last, after the epochs, so a run cut short by a
-    # time limit keeps every other number.
-    steps.run([v for v in args.variants if v not in CUDA_ONLY], update)
+    # With --epoch the CUDA-only variants (each compiles or captures first) run last, after the epochs, so a run cut
+    # short by a time limit keeps every other number; without it every variant runs in the order given.
+    deferred = [v for v in args.variants if v in CUDA_ONLY] if args.epoch else []
+    steps.run([v for v in args.variants if v not in deferred], update)
     if args.epoch:
         data = epoch_data(args, device)
         for variant in args.epoch_variants:
@@ -740,7 +746,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
                     report["epoch"][variant] = {"variant": variant, **failure(err)}
             print(f"epoch {variant}: {report['epoch'][variant]}", file=sys.stderr, flush=True)
             update()
-    steps.run([v for v in args.variants if v in CUDA_ONLY], update)
+    steps.run(deferred, update)
     return report
 
 

@@ -1,4 +1,5 @@
-"""A few seconds before any GPU benchmark: is the GPU there, does nvJPEG decode, does a Triton kernel run and agree?
+"""A few seconds before any GPU benchmark: is the GPU there, does nvJPEG decode, do a Triton kernel, an Inductor
+compile and a CUDA graph run and agree?
 
     python -m benchmarks.gpu_preflight --device cuda --json RESULTS/preflight.json   # on the GPU machine
     python -m benchmarks.gpu_preflight --device cpu                                  # CI: Triton's interpreter
@@ -12,8 +13,14 @@ Checks, each reported as "ok", "failed" (with the error text) or "skipped: <why>
   CUDA);
 - triton: the smallest fused op, `kernels.code_head_triton.code_head` (forward, 256 x 40, fp32), against its PyTorch
   twin `kernels.reference.code_head`: the largest absolute difference per output; ok within rtol 1e-4, atol 1e-5.
-  Where torch sees no GPU it runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set here).
-The versions of python, torch (and its CUDA), torchvision, triton and timm are listed. JSON on stdout and in --json.
+  Where torch sees no GPU it runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set here);
+- inductor: a small graph (a matmul, GELU, a row mean) compiled whole by Inductor, the backend of `train.compile`,
+  against eager: ok within atol 1e-4 (on the CPU Inductor writes C++, on CUDA Triton);
+- cuda_graph: the same graph captured in a CUDA graph and replayed on new inputs: ok when equal to eager (skipped
+  without CUDA).
+The versions of python, torch (and its CUDA), torchvision, triton and timm are listed, and under `machine` the size
+and free space of /dev/shm (DataLoader workers pass their batches through it), the GPU's free memory and its driver.
+JSON on stdout and in --json.
 Exit status 0, whatever a check says; 1 only with --require-gpu on a machine where torch sees no GPU.
 """
 
@@ -24,6 +31,8 @@ import importlib
 import io
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +51,8 @@ from infosieve_fast.data import decode  # noqa: E402
 NVJPEG_MEAN_TOLERANCE = 2.0  # levels of 255, as tests/test_data_stream_exact.py's GPU test
 TRITON_RTOL, TRITON_ATOL = 1e-4, 1e-5  # fp32 on CUDA, as tests/test_kernels_code_head.py
 TRITON_N, TRITON_L = 256, 40
+INDUCTOR_N = 128
+INDUCTOR_ATOL = 1e-4  # fp32 on both sides; a GEMM's accumulation order may differ (TF32 stays off: torch's default)
 NO_CUDA = "skipped: no CUDA"
 
 
@@ -139,6 +150,76 @@ def check_triton(device: torch.device) -> dict:
     return {"status": "ok", **report}
 
 
+def small_graph(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A matmul, a reduction and pointwise ops: what Inductor lowers into a GEMM call and fused Triton (or C++)
+    kernels."""
+    y = torch.nn.functional.gelu(x @ w)
+    return y - y.mean(dim=1, keepdim=True)
+
+
+def small_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(*shape, generator=gen).to(device) for shape in ((INDUCTOR_N, 64), (64, 32)))
+
+
+def check_inductor(device: torch.device) -> dict:
+    """`small_graph` compiled by Inductor (the backend `train.compile` uses), whole (fullgraph), against eager."""
+    x, w = small_inputs(device)
+    compiled = torch.compile(small_graph, backend="inductor", fullgraph=True)(x, w)
+    diff = float((compiled - small_graph(x, w)).abs().max())
+    report = {"graph": f"gelu(x @ w) - row mean, x {INDUCTOR_N}x64, fp32", "max_abs_diff": diff}
+    if diff > INDUCTOR_ATOL:
+        return {"status": "failed", "error": f"max abs diff {diff:.3g} > {INDUCTOR_ATOL}", **report}
+    return {"status": "ok", **report}
+
+
+def check_cuda_graph(device: torch.device) -> dict:
+    """`small_graph` captured in a CUDA graph, replayed on new inputs copied into its static ones, against eager."""
+    x, w = small_inputs(device)
+    static_x = x.clone()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+        small_graph(static_x, w)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = small_graph(static_x, w)
+    static_x.copy_(x * 2)
+    graph.replay()
+    diff = float((static_y - small_graph(x * 2, w)).abs().max())
+    report = {"graph": "small_graph captured, replayed on x * 2", "max_abs_diff": diff}
+    if diff != 0:
+        return {"status": "failed", "error": f"the replay differs from eager by {diff:.3g}", **report}
+    return {"status": "ok", **report}
+
+
+def machine(device: torch.device) -> dict:
+    """What the loader and the caches depend on: /dev/shm (DataLoader workers pass batches through it), the GPU's
+    free memory and its driver."""
+    out: dict = {"cpu_count": os.cpu_count()}
+    try:
+        shm = shutil.disk_usage("/dev/shm")
+        out |= {"dev_shm_gib": round(shm.total / 2**30, 2), "dev_shm_free_gib": round(shm.free / 2**30, 2)}
+    except OSError as exn:
+        out["dev_shm"] = f"unavailable: {exn}"
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        out |= {"gpu_free_gib": round(free / 2**30, 2), "gpu_total_gib": round(total / 2**30, 2)}
+        out["driver"] = _nvidia_smi("driver_version")
+    return out
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+
+
 def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -162,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": run_check(lambda: check_gpu(device)) if device.type == "cuda" else no_gpu,
         "nvjpeg": run_check(lambda: check_nvjpeg(device)) if device.type == "cuda" else {"status": NO_CUDA},
         "triton": run_check(lambda: check_triton(device)),
+        "inductor": run_check(lambda: check_inductor(device)),
+        "cuda_graph": run_check(lambda: check_cuda_graph(device)) if device.type == "cuda" else {"status": NO_CUDA},
     }
     result = {
         "benchmark": "gpu_preflight",
@@ -169,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_asked": str(wanted),
         "cuda_available": cuda,
         "versions": versions(),
+        "machine": machine(device),
         "summary": {name: c["status"] for name, c in checks.items()},
         "checks": checks,
     }

@@ -87,7 +87,8 @@ def fused_lead_over_compiled(data: dict) -> float | None:
     return min(ratios) if ratios else None
 
 
-KM, EPOCH, TRAIN, KERNELS = "kmeans-imagenet1k.json", "epoch-imagenet1k.json", "train.json", "kernels.json"
+KM, EPOCH, KERNELS = "kmeans-imagenet1k.json", "epoch-imagenet1k.json", "kernels.json"
+TRAIN, CUB_EPOCH = "train-step.json", "train-epoch.json"  # bench_train: the step variants; the CUB-size epoch
 CUB = "epoch.fast_default"
 TARGETS = [
     Target(19, "SS-k-means round, ImageNet-1k size, fp32 search: s", KM, "runs[fp32].seconds", "<=", 10.0,
@@ -112,13 +113,13 @@ TARGETS = [
     Target(20, "default step MFU, datasheet peak", TRAIN, "summary.step_mfu_datasheet"),
     Target(20, "default peak memory, × published fp32", TRAIN, "summary.peak_memory_ratio_vs_published_fp32.value",
            "<=", 0.5),
-    Target(20, "CUB-size epoch: s", TRAIN, "summary.epoch_seconds", "<=", 1.8),
-    Target(20, "200 epochs with checkpoints: min", TRAIN, "summary.projected_200_epochs_with_checkpoint_minutes",
+    Target(20, "CUB-size epoch: s", CUB_EPOCH, "summary.epoch_seconds", "<=", 1.8),
+    Target(20, "200 epochs with checkpoints: min", CUB_EPOCH, "summary.projected_200_epochs_with_checkpoint_minutes",
            "<=", 6.0),
-    Target(20, "feature pass at CUB size: s", TRAIN, f"{CUB}.phase_seconds.features", "<=", 0.4),
-    Target(20, "SS-k-means round at CUB size: s", TRAIN, f"{CUB}.phase_seconds.kmeans", "<=", 0.2),
-    Target(20, "evaluation recording the token cache: s", TRAIN, f"{CUB}.evaluation_seconds"),
-    Target(20, "... replaying it: s", TRAIN, f"{CUB}.evaluation_replay_seconds"),
+    Target(20, "feature pass at CUB size: s", CUB_EPOCH, f"{CUB}.phase_seconds.features", "<=", 0.4),
+    Target(20, "SS-k-means round at CUB size: s", CUB_EPOCH, f"{CUB}.phase_seconds.kmeans", "<=", 0.2),
+    Target(20, "evaluation recording the token cache: s", CUB_EPOCH, f"{CUB}.evaluation_seconds"),
+    Target(20, "... replaying it: s", CUB_EPOCH, f"{CUB}.evaluation_replay_seconds"),
     Target(20, "fused code head fwd+bwd, N = 256: ms", KERNELS, "code_head[N=256].fused.ms", "<=", 0.1,
            kernel_case("code_head", "fused", "ms", N=256)),
     Target(20, "... the same, replayed from a CUDA graph: ms", KERNELS, "code_head[N=256].fused_graph.ms", None, None,
@@ -136,13 +137,21 @@ TARGETS = [
 
 def evaluate(files: dict[str, Path]) -> list[dict]:
     """Every target's row, read from the result files of one gpu_check.sh run ({name in the run: path}). A result
-    written at smoke size (the CPU rehearsal) is no measurement of a target: its rows say "smoke", never yes or no."""
-    results = {t.file: json.loads(files[t.file].read_text()) for t in TARGETS if t.file in files}
+    written at smoke size (the CPU rehearsal) is no measurement of a target: its rows say "smoke", never yes or no.
+    A file that does not parse costs only its own rows, which say why."""
+    results, unreadable = {}, {}
+    for name in {t.file for t in TARGETS if t.file in files}:
+        try:
+            results[name] = json.loads(files[name].read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:  # e.g. a step killed while it wrote
+            unreadable[name] = f"unreadable: {type(err).__name__}: {err}"
     rows = []
     for t in TARGETS:
         data = results.get(t.file)
         value = t.value(data) if data is not None else None
-        if value is None:
+        if t.file in unreadable:
+            holds = unreadable[t.file]
+        elif value is None:
             holds = "owed"
         elif data.get("smoke"):
             holds = "smoke"

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import smoke
+from infosieve_fast.checkpoint import atomic_write
 from infosieve_fast.source_tree import ROOT, commit_tree_hash, git_state, tree_hash  # noqa: F401 (ROOT: re-exported)
 
 
@@ -40,12 +41,12 @@ def device_name(device: torch.device) -> str:
 
 def emit_json(result: dict, path: str | Path | None, indent: int = 1, echo: bool = True) -> None:
     """The benchmark's result as JSON, with `stamp()`'s fields where it lacks them: printed (`echo`) and, when `path`
-    is given, written there too."""
+    is given, written there too, atomically (a temporary file renamed over it): a benchmark killed by a time limit
+    while it writes leaves the previous complete JSON, never a torn one."""
     result = {**stamp(), **result} if "tree_hash" not in result else result
     text = json.dumps(result, indent=indent)
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
+        atomic_write(Path(path), lambda f: f.write((text + "\n").encode()))
     if echo:
         print(text)
 

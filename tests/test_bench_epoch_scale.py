@@ -8,7 +8,9 @@ import pytest
 from benchmarks import bench_epoch_scale
 from benchmarks.bench_epoch_scale import IMAGENET1K_TRAIN, main
 
-PHASES = ["shards", "loader", "compile", "feature_pass", "kmeans_at_this_n", "window"]  # CPU: no nvJPEG to compare with
+PHASES = [
+    "shards", "loader", "compile", "feature_pass", "kmeans_at_this_n", "window", "projection", "loader_other_decode"
+]  # fmt: skip
 
 TINY = [
     "--device", "cpu", "--n", "96", "--classes", "8", "--size", "64", "--crop", "32", "--batch", "16",
@@ -30,6 +32,7 @@ def test_tiny_run_projects_an_imagenet_epoch(tmp_path, shards_dir):
     out = tmp_path / "epoch.json"
     res = main([*TINY, "--shards-dir", str(shards_dir), "--kmeans-json", str(kmeans), "--json", str(out)])
     assert json.loads(out.read_text()) == res and res["complete"] and res["phases_done"] == PHASES
+    assert res["loader_other_decode"] is None  # the CPU has no nvJPEG to compare with
     w, p, s = res["window"], res["projection"], res["summary"]
     assert w["steps"] == 8 and w["epochs_spanned"] >= 2  # 96 // 16 = 6 steps per epoch: the window spans epochs
     assert res["loader"]["images"] == 4 * 16 and res["feature_pass"]["images"] == 96
@@ -52,6 +55,24 @@ def test_a_run_cut_short_keeps_the_phases_it_finished(tmp_path, shards_dir, monk
     with pytest.raises(KeyboardInterrupt):
         main([*TINY, "--shards-dir", str(shards_dir), "--json", str(out)])
     kept = json.loads(out.read_text())
-    assert kept["phases_done"] == PHASES[:-1] and not kept["complete"] and "window" not in kept
+    assert kept["phases_done"] == PHASES[:5] and not kept["complete"] and "window" not in kept
     assert kept["data"]["n_train"] == 96 and kept["feature_pass"]["images"] == 96 and kept["loader"]["images"] == 4 * 16
-    assert kept["loader_other_decode"] is None and kept["kmeans_at_this_n_s"] >= 0
+    assert "loader_other_decode" not in kept and kept["kmeans_at_this_n_s"] >= 0
+
+
+def test_the_decode_comparison_failing_costs_only_itself(tmp_path, monkeypatch):
+    """The comparison runs after the projection is written; an error there is recorded in its own entry."""
+
+    class Source:
+        gpu_decode = True  # the run decoded on the GPU: the comparison is the CPU path
+
+    class Trainer:
+        source, device = Source(), "cuda"
+
+    def broken(*args, **kwargs):
+        raise OSError("/dev/shm: No space left on device (faked)")
+
+    monkeypatch.setattr(bench_epoch_scale, "ShardSource", broken)
+    args = bench_epoch_scale.parse_args(TINY)
+    got = bench_epoch_scale.other_decode_rate(Trainer(), tmp_path, args)
+    assert got == {"decode": "cpu", "error": "OSError: /dev/shm: No space left on device (faked)"}

@@ -5,8 +5,9 @@ interpreter (conftest sets TRITON_INTERPRET), so its cases are kept few and tiny
 
 Tolerances are normwise: max|ours - reference| <= rtol * max|reference| + atol. With at most 25 rows `torch.cdist`
 is exact on its diagonal and the two sides differ only by rounding (float64: ~1e-15). Above 25 rows the reference's
-diagonal carries matrix-multiply rounding noise (float32 ~7e-4, float64 ~3e-8, REFERENCE.md §8) while ours is exactly
-0; only the code variant's row sums see it, and `test_cdist_diagonal_quirk` checks that with its own, looser bounds.
+diagonal carries matrix-multiply rounding noise (float32 ~7e-4, float64 ~3e-8, docs/reference.md §8) while ours is
+exactly 0; only the code variant's row sums see it, and `test_cdist_diagonal_quirk` checks that with its own, looser
+bounds.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def fresh_standin() -> types.ModuleType:
         [(d, c, 0.1) for d in DTYPES for c in (False, True)],
     ),
 )
+@pytest.mark.gpu_parity
 def test_info_nce_loss(monkeypatch, device, backend, dtype, is_code, smoothing):
     use_backend(monkeypatch, backend)
     bsz, dim = random.randint(5, 12), random.randint(3, 40)
@@ -316,7 +318,7 @@ def test_dinolabelling_matches_after_load(monkeypatch, device, backend, dtype):
         assert torch.equal(ours.state_dict()[key], value), key
     x = torch.randn(random.randint(5, 12) * 2, 24, dtype=dtype, device=device)
     epochs = 200
-    for epoch in (0, 9, 199):  # the training loop's per-epoch reassignment (REFERENCE.md §2.3)
+    for epoch in (0, 9, 199):  # the training loop's per-epoch reassignment (docs/reference.md §2.3)
         for head in (ours, theirs):
             head.age = (epoch + 1) / 10
             head.code_weight = torch.pow(2 - epoch / epochs, torch.arange(0, -L, -1, dtype=torch.float32)).to(device)
@@ -354,6 +356,7 @@ def test_dinolabelling_structure(use_bn, nlayers):
 # ---------------------------------------------------------------- patch_reference
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("backend", cases([()], [()]))
 def test_patch_reference(monkeypatch, device, backend):
     use_backend(monkeypatch, backend)

@@ -192,6 +192,7 @@ def jpeg_shards(tmp_path_factory):
     return out
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU decoding needs a CUDA device")
 def test_gpu_decode_and_gpu_cache_serve_what_the_cpu_decodes(jpeg_shards):
     """nvJPEG batches equal libjpeg-turbo's up to IDCT/upsampling rounding; the GPU cache serves the GPU stream's

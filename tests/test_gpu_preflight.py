@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
 
@@ -17,7 +18,10 @@ def test_the_preflight_runs_here_and_writes_its_json(tmp_path, device):
     res = json.loads(out.read_text())
     cuda = device.type == "cuda"
     on_gpu = "ok" if cuda else "skipped: no CUDA"
-    assert res["summary"] == {"gpu": on_gpu, "nvjpeg": on_gpu, "triton": "ok"}
+    assert res["summary"] == {"gpu": on_gpu, "nvjpeg": on_gpu, "triton": "ok", "inductor": "ok", "cuda_graph": on_gpu}
+    assert 0 <= res["checks"]["inductor"]["max_abs_diff"] <= pf.INDUCTOR_ATOL
+    shm = shutil.disk_usage("/dev/shm")
+    assert res["machine"]["dev_shm_gib"] == round(shm.total / 2**30, 2) and res["machine"]["cpu_count"] >= 1
     triton = res["checks"]["triton"]
     assert triton["interpreter"] == (not cuda) and set(triton["max_abs_diff"]) == set(reference.CodeHead._fields)
     assert all(0 <= d <= 1e-4 for d in triton["max_abs_diff"].values())
@@ -25,6 +29,7 @@ def test_the_preflight_runs_here_and_writes_its_json(tmp_path, device):
     if cuda:
         assert res["checks"]["gpu"]["name"] == torch.cuda.get_device_name(device)
         assert res["checks"]["nvjpeg"]["mean_abs_diff"] < pf.NVJPEG_MEAN_TOLERANCE
+        assert res["checks"]["cuda_graph"]["max_abs_diff"] == 0 and 0 < res["machine"]["gpu_free_gib"]
 
 
 def test_exit_status_depends_only_on_require_gpu(tmp_path, device):
@@ -67,3 +72,18 @@ def test_the_nvjpeg_check_compares_with_the_cpu_decode_and_never_raises(monkeypa
     monkeypatch.setattr(decode, "nvjpeg_decode", brighter)
     wrong = pf.run_check(lambda: pf.check_nvjpeg(cpu))
     assert wrong["status"] == "failed" and wrong["max_abs_diff"] == 3 and wrong["mean_abs_diff"] >= 2
+
+
+def test_a_wrong_compiled_graph_fails_the_inductor_check(monkeypatch, device):
+    """The check compares the compiled graph with eager: a compiler that returns something else is caught, and a
+    compiler that raises is reported, never raised."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda x, w: fn(x, w) + 1e-3)
+    wrong = pf.run_check(lambda: pf.check_inductor(device))
+    assert wrong["status"] == "failed" and abs(wrong["max_abs_diff"] - 1e-3) < 1e-6
+
+    def lowering_fails(fn, **kw):
+        raise RuntimeError("InductorError: lowering failed (faked)")
+
+    monkeypatch.setattr(torch, "compile", lowering_fails)
+    failed = pf.run_check(lambda: pf.check_inductor(device))
+    assert failed == {"status": "failed", "error": "RuntimeError: InductorError: lowering failed (faked)", **failed}

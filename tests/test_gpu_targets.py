@@ -16,14 +16,17 @@ RESULTS = {
             {"distance_precision": "fp32", "seconds": 12.5, "peak_bytes_beyond_features": 6.5e9},
         ]
     },
-    "train.json": {
+    "train-step.json": {
         "summary": {
             "step_speedup_vs_published_bf16": {"value": 2.25},
             "step_speedup_vs_published_fp32": {"value": 9.5},
             "step_mfu_datasheet": 0.41,
-            "epoch_seconds": 1.8,
+            "epoch_seconds": 7.0,  # a step-only run has no epoch: the CUB targets never read this file
         },
         "step": {"variants": {"fast_default": {"compile": "compiled"}, "fast_graph": {"cuda_graph": "eager"}}},
+    },
+    "train-epoch.json": {
+        "summary": {"epoch_seconds": 1.8},
         "epoch": {"fast_default": {"phase_seconds": {"features": 0.5, "kmeans": 0.15}}},
     },
     "kernels.json": {
@@ -77,6 +80,19 @@ def test_a_smoke_size_result_is_never_judged(tmp_path):
         assert rows[what]["holds"] == ("owed" if value is None else "smoke"), what
 
 
+def test_a_torn_result_costs_only_its_own_rows(tmp_path):
+    """A step killed while it wrote its JSON (gpu_check.sh's timeout): that file's rows say it is unreadable, every
+    other file's rows are judged as usual."""
+    files = write(tmp_path, RESULTS)
+    files["kernels.json"].write_text(json.dumps(RESULTS["kernels.json"])[:40])
+    rows = {r["what"]: r for r in gpu_targets.evaluate(files)}
+    for what, (_, holds) in EXPECTED.items():
+        if rows[what]["from"].startswith("kernels.json"):
+            assert rows[what]["holds"].startswith("unreadable: JSONDecodeError") and rows[what]["value"] is None, what
+        else:
+            assert rows[what]["holds"] == holds, what
+
+
 def archive_of(path, members: dict[str, bytes]) -> None:
     with tarfile.open(path, "w:gz") as tar:
         for name, data in members.items():
@@ -87,14 +103,14 @@ def archive_of(path, members: dict[str, bytes]) -> None:
 
 def test_an_archive_is_unpacked_under_the_card_name_and_never_over_a_file(tmp_path, capsys):
     archive = tmp_path / "nvidia-h100-gpu-check.tar.gz"
-    train = json.dumps(RESULTS["train.json"]).encode()
-    archive_of(archive, {"nvidia-h100/train.json": train, "nvidia-h100/x.log": b"ok"})
+    train = json.dumps(RESULTS["train-step.json"]).encode()
+    archive_of(archive, {"nvidia-h100/train-step.json": train, "nvidia-h100/x.log": b"ok"})
     into = tmp_path / "results"
     assert gpu_targets.main([str(archive), "--into", str(into)]) == 0
-    assert sorted(p.name for p in into.iterdir()) == ["nvidia-h100-train.json", "nvidia-h100-x.log"]
+    assert sorted(p.name for p in into.iterdir()) == ["nvidia-h100-train-step.json", "nvidia-h100-x.log"]
     assert "| 20 | default step, × published bf16 | 2.25 | >= 2 | yes |" in capsys.readouterr().out
     (into / "nvidia-h100-x.log").write_text("kept")
-    with pytest.raises(SystemExit, match="would overwrite .*nvidia-h100-train.json"):
+    with pytest.raises(SystemExit, match="would overwrite .*nvidia-h100-train-step.json"):
         gpu_targets.main([str(archive), "--into", str(into)])
     assert (into / "nvidia-h100-x.log").read_text() == "kept"
 

@@ -145,6 +145,7 @@ CASES = [
 ]
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("n,length,age,length_base,tuning", CASES)
 def test_values_and_grads_match_reference(device, dtype, n, length, age, length_base, tuning):
@@ -152,11 +153,13 @@ def test_values_and_grads_match_reference(device, dtype, n, length, age, length_
         _check_against_reference(n, length, dtype, device, age=age, length_base=length_base)
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("n,length,age,length_base", [(37, 40, 1.0, 2.0), (300, 7, 20.0, 1.3), (5, 130, 0.1, 1.5)])
 def test_half_precision(device, n, length, age, length_base):
     _check_against_reference(n, length, torch.float16, device, age=age, length_base=length_base)
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.skipif(not ON_CUDA, reason="bf16 arithmetic is wrong in Triton's CPU interpreter")
 @pytest.mark.parametrize("n,length", [(37, 40), (300, 130)])
 def test_bfloat16_on_cuda(device, n, length):
@@ -247,6 +250,7 @@ def test_tiny_and_huge_preactivations_keep_precision(device):
             assert torch.isfinite(getattr(out, name)).all(), name
 
 
+@pytest.mark.gpu_parity
 def test_no_grad_and_deterministic(device):
     x, y, age, w, lw = _inputs(300, 40, torch.float32, device)
     with CH._override(**SMALL_TILES), torch.no_grad():

@@ -111,14 +111,15 @@ def _labels(n, device, gen, n_classes=4):
 # ------------------------------------------------------------------------------------------------------- InfoNCE
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("gram", GRAMS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("is_code", [False, True])
 @pytest.mark.parametrize("temperature,smoothing", [(1.0, 0.0), (0.07, 0.1), (1.0, 1.0)])
 def test_info_nce_matches_reference(gram, dtype, is_code, temperature, smoothing, device, gen, poisoned_buffers):
     x = _features(70, 45, dtype, device, gen)  # 70 rows, 45 columns: ragged against the 32-wide test tiles
-    # The code variant at smoothing 1 is nearly inert (REFERENCE §3.2, §3.9): its gradient (~1e-9) is what is left
-    # after per-pair terms ~1e4 times larger cancel, so fp32 rounding of those terms needs an absolute floor.
+    # The code variant at smoothing 1 is nearly inert (docs/reference.md §3.2, §3.9): its gradient (~1e-9) is what is
+    # left after per-pair terms ~1e4 times larger cancel, so fp32 rounding of those terms needs an absolute floor.
     inert = is_code and smoothing == 1.0 and dtype != torch.float64
     _compare(
         C.info_nce_loss,
@@ -181,6 +182,7 @@ def test_info_nce_strided_input_and_via_dispatch(gram, device, gen, monkeypatch)
 # -------------------------------------------------------------------------------------------------------- SupCon
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("gram", GRAMS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("is_code", [False, True])
@@ -251,6 +253,7 @@ def test_supcon_via_dispatch(gram, device, gen, monkeypatch):
 # --------------------------------------------------------------------------------------------- dtypes and paths
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("gram", GRAMS)
 def test_half_inputs(gram, device, gen):
     """fp16 (and bf16 on CUDA; the interpreter's bf16 arithmetic is wrong): fp32 loss, gradient in the input dtype."""
@@ -262,6 +265,7 @@ def test_half_inputs(gram, device, gen):
         _compare(C.supcon_loss, ref.supcon_loss, x, (y, 0.5, 0.07, False), gram=gram, kwargs={"gram": gram})
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("gram", GRAMS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("is_code", [False, True])
@@ -325,6 +329,7 @@ def test_larger_ragged(device, gen):
     _compare(C.supcon_loss, ref.supcon_loss, x, (y, 0.07, 0.07, True), gram="triton", kwargs={"gram": "triton"})
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-sync detection needs CUDA")
 @pytest.mark.parametrize("gram", GRAMS)
 def test_no_host_sync(gram, gen, monkeypatch):

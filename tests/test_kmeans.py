@@ -115,7 +115,7 @@ def test_herbarium_config_runs_the_published_unbalanced_two_phases():
 
 
 def test_kpp_deletion_bug_reproduced_by_transcription():
-    # REFERENCE.md §5.2: the published deletion removes rows from the *front* of the array (0, then 1-2, ...).
+    # docs/reference.md §5.2: the published deletion removes rows from the *front* of the array (0, then 1-2, ...).
     x = torch.arange(40, dtype=torch.float64)[:, None]
     ref = ReferenceSSKMeans(4, n_init=1, random_state=0, variant="infosieve", cluster_size=5, kpp_deletion="bug")
     pre = torch.tensor([[100.0]], dtype=torch.float64)
@@ -407,15 +407,17 @@ def test_recheck_threshold_bounds_the_bf16_error(scale):
     assert float((err / thr).max()) > 1e-3  # and the bound is not vacuous: within three orders of the worst error
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("mode, stored_matrix", MODE_PATHS)
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
-def test_low_precision_kmeans_labels_equal_fp32(monkeypatch, precision, mode, stored_matrix):
+def test_low_precision_kmeans_labels_equal_fp32(monkeypatch, device, precision, mode, stored_matrix):
+    # on CUDA: the bf16 product with out_dtype, TF32 and the segment-sum centre update, against the IEEE fp32 search
     import infosieve_fast.kmeans as km
 
     if not stored_matrix:
         monkeypatch.setattr(km, "_CAPACITY_MATRIX_MAX", 0)
     u, l, t, _ = blobs(n=600, d=32, k=10, n_known=5, seed=3, spread=0.6)  # overlapping blobs: many near ties
-    u, l = u.float(), l.float()
+    u, l, t = u.float().to(device), l.float().to(device), t.to(device)
     ref = semi_supervised_kmeans(u, l, t, 10, n_init=2, seed=1, chunk_size=100, **MODES[mode])
     low = semi_supervised_kmeans(
         u, l, t, 10, n_init=2, seed=1, chunk_size=100, distance_precision=precision, **MODES[mode]
@@ -426,7 +428,8 @@ def test_low_precision_kmeans_labels_equal_fp32(monkeypatch, precision, mode, st
     assert low.searched_rows > 0 and 0 < low.rechecked_rows < low.searched_rows
 
 
-def test_fp32_search_runs_in_ieee_even_when_tf32_is_allowed(monkeypatch):
+@pytest.mark.gpu_parity
+def test_fp32_search_runs_in_ieee_even_when_tf32_is_allowed(monkeypatch, device):
     import infosieve_fast.kmeans as km
 
     seen = []
@@ -434,14 +437,17 @@ def test_fp32_search_runs_in_ieee_even_when_tf32_is_allowed(monkeypatch):
     monkeypatch.setattr(
         km, "_kmeans_pp", lambda *a: seen.append(torch.backends.cuda.matmul.fp32_precision) or original(*a)
     )
-    u, l, t, _ = blobs(n=100)
+    u, l, t, _ = blobs(n=600, d=32, k=10, n_known=5, seed=3, spread=0.6)
+    u, l, t = u.float().to(device), l.float().to(device), t.to(device)
+    ieee = semi_supervised_kmeans(u, l, t, 10, n_init=1, backend="torch")
     old = torch.backends.cuda.matmul.fp32_precision
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     try:
-        semi_supervised_kmeans(u, l, t, 6, n_init=1)
-        assert seen == ["ieee"] and torch.backends.cuda.matmul.fp32_precision == "tf32"  # restored afterwards
+        allowed = semi_supervised_kmeans(u, l, t, 10, n_init=1, backend="torch")
+        assert seen == ["ieee", "ieee"] and torch.backends.cuda.matmul.fp32_precision == "tf32"  # restored afterwards
     finally:
         torch.backends.cuda.matmul.fp32_precision = old
+    assert torch.equal(allowed.labels, ieee.labels) and allowed.inertia == ieee.inertia
 
 
 # --------------------------------------------------------------------------------------------------- backend choice
@@ -517,13 +523,15 @@ def test_balancing_without_the_stored_matrix(monkeypatch, balance):
         assert torch.bincount(a.labels).max() <= 100
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
-def test_cluster_sums_segment_path_equals_index_add(dtype):
+def test_cluster_sums_segment_path_equals_index_add(device, dtype):
     # the CUDA path (rows sorted by cluster, segment sums across row chunks; deterministic) against index_add_ and a
-    # per-cluster loop, run on the CPU, for 3 restarts at once; half-precision rows are summed in the compute dtype
+    # per-cluster loop, for 3 restarts at once; half-precision rows are summed in the compute dtype
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1000, 7, generator=g, dtype=torch.float64).to(dtype)
     lab = torch.randint(0, 9, (3, 1000), generator=g)
+    x, lab = x.to(device), lab.to(device)
     lab[lab == 4] = 3  # an empty cluster
     cdtype = torch.float64 if dtype == torch.float64 else torch.float32
     a = _cluster_sums(x, lab, 9, 128, cdtype, segments=False)

@@ -4,6 +4,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from benchmarks import provenance
 
 
@@ -47,3 +49,19 @@ def test_every_emitted_result_names_commit_dirty_and_tree(tmp_path):
     written = json.loads(out.read_text())
     commit, dirty = provenance.git_state()
     assert written == {"commit": commit, "dirty": dirty, "tree_hash": provenance.tree_hash(), "seconds": 1.5}
+
+
+def test_a_write_cut_short_leaves_the_previous_result_whole(tmp_path, monkeypatch):
+    """gpu_check.sh kills a step at its limit, maybe while it writes: the file then holds the last complete JSON, and
+    no temporary file is left beside it."""
+    out = tmp_path / "r.json"
+    provenance.emit_json({"cases": [1]}, out, echo=False)
+
+    def killed(fd):
+        raise KeyboardInterrupt("the step's timeout (simulated)")
+
+    monkeypatch.setattr("os.fsync", killed)
+    with pytest.raises(KeyboardInterrupt):
+        provenance.emit_json({"cases": [1, 2]}, out, echo=False)
+    assert json.loads(out.read_text())["cases"] == [1]
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]

@@ -238,6 +238,7 @@ def test_adamw_may_be_captured_only_inside_the_context_and_sgd_is_left_alone():
 
 
 # --------------------------------------------------------------------------------------------------- on CUDA
+@pytest.mark.gpu_parity
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_a_real_captured_step_on_cuda_trains_as_the_eager_step():
     """The graph replays the eager step's kernels on the same values: the same weights after two epochs."""
