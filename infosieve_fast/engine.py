@@ -26,6 +26,7 @@ from .config import Config
 from .data import InMemoryGCD, build_source
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.base import Batch, GCDSource
+from .data.decode import DecodeWindow
 from .discovery import unscored_parts
 from .kmeans import semi_supervised_kmeans
 from .loss import InfoSieveLoss, check_labelled_targets
@@ -106,6 +107,7 @@ class Trainer:
         # module (whose guards read it) is compiled once
         self._autocast_cache = not self.step_graph.active
         self.token_cache = TokenCache(cfg.train.token_cache, self.device, cfg.data.memory_threshold_mb)
+        self.decoding = DecodeWindow(self.source)  # each epoch record: the images decoded since the last, by where
         # `self.model` stays the plain module (checkpoints, feature passes); `self.net` runs the training forward.
         # Every trainable parameter takes part in every loss (the categorizer too: an empty labelled batch gives it a
         # zero gradient, not none), and the frozen backbone prefix has requires_grad=False, so DDP needs no
@@ -362,6 +364,7 @@ class Trainer:
                 "seconds_kmeans": kmeans_done - features_done,
                 "seconds_steps": end - kmeans_done,
                 **compile_record,
+                **self.decoding.fields(),
                 "cuda_graph": self.step_graph.path,
                 "seconds_cuda_graph_capture": self.step_graph.seconds_capture,
             }

@@ -15,10 +15,13 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
+from infosieve_fast.config import load_config
 from infosieve_fast.data import decode
 from infosieve_fast.data.decode import DecodeCounts, decode_gpu
 from infosieve_fast.data.shards import make_shards
 from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.engine import Trainer
+from tests.test_engine import SMOKE, _cifar_shards
 
 CLASSES, PER_CLASS = 3, 6
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")  # torchvision 0.29's codecs
@@ -106,3 +109,59 @@ def test_the_stream_falls_back_serves_the_cpu_pixels_and_warns_once(cub_shards, 
     assert workers.decode_counts.as_dict() == {"cpu": n, "gpu": 0, "gpu_fallback": 0}
     err = capfd.readouterr().err
     assert err.count("nvJPEG failed") == 1 and "a batch of 4 images" in err and "data.decode: cpu" in err
+
+
+def decode_fields(record: dict) -> tuple:
+    keys = ("decoded_cpu", "decoded_gpu", "decoded_gpu_fallback", "decode_cpu_reason")
+    return tuple(record[k] for k in keys)
+
+
+@pytest.mark.parametrize("cache", ["off", "cpu"])
+def test_each_epoch_record_counts_the_images_decoded_since_the_last_by_where(tmp_path, realdata, cache):
+    """`data.decode=auto` on the CPU: 96 train images, feature batches of 512 and 3 steps of 32 per epoch. Streamed,
+    an epoch decodes its feature pass and its steps (96 + 96), and the next record also counts the evaluation run
+    between them (96); with the decoded cache, the first pass decodes the split once and nothing after. Every CPU
+    decode says why the GPU did not decode."""
+    cfg = _cifar_shards(tmp_path, realdata)
+    cfg.data.cache = cache
+    trainer = Trainer(cfg)
+    first = trainer.train_epoch(0)
+    trainer.evaluate()
+    second = trainer.train_epoch(1)
+    reason = "data.decode=auto on a cpu device: the CPU decodes (nvJPEG needs CUDA)"
+    if cache == "off":
+        assert decode_fields(first) == (96 + 96, 0, 0, reason)
+        assert decode_fields(second) == (96 + 96 + 96, 0, 0, reason)
+    else:
+        assert decode_fields(first) == (96, 0, 0, reason)
+        assert decode_fields(second) == (0, 0, 0, None)
+
+
+def test_an_epoch_whose_nvjpeg_calls_fail_records_the_fallback_and_its_reason(tmp_path, realdata, monkeypatch):
+    """The GPU-decoding path run on the CPU with a stand-in nvJPEG that fails its first call (the epoch's only feature
+    batch, 96 images) and then decodes (the 3 step batches of 32): the record counts 96 on each decoder, the 96 fallen
+    back, and the failure; the next epoch, without failures, counts only GPU decodes and gives no reason."""
+    calls = []
+
+    def fails_first(jpegs, device):
+        calls.append(len(jpegs))
+        if len(calls) == 1:
+            raise RuntimeError("nvJPEG is not available on this machine (faked)")
+        return [decode_jpeg(j) for j in jpegs]
+
+    monkeypatch.setattr(decode, "nvjpeg_decode", fails_first)
+    cfg = _cifar_shards(tmp_path, realdata)
+    cfg.data.cache = "off"
+    trainer = Trainer(cfg)
+    trainer.source.gpu_decode = True  # the encoded-bytes path, decoded in this process by decode_gpu
+    first, second = trainer.train_epoch(0), trainer.train_epoch(1)
+    assert calls == [96, 32, 32, 32, 96, 32, 32, 32]
+    error = "RuntimeError: nvJPEG is not available on this machine (faked)"
+    assert decode_fields(first) == (96, 96, 96, f"nvJPEG failed on 96 images ({error}); the CPU decoded them")
+    assert decode_fields(second) == (0, 96 + 96, 0, None)
+
+
+def test_a_source_that_decodes_nothing_records_zero_decodes():
+    """The embedded digits are held in memory as pixels: nothing is decoded, on either side."""
+    record = Trainer(load_config("configs/demo.yaml", SMOKE + ["train.device=cpu"])).train_epoch(0)
+    assert decode_fields(record) == (0, 0, 0, None)

@@ -8,12 +8,13 @@ it; `DeviceAugment` crops each image inside its own size.
 
 A batch whose nvJPEG call fails (nvJPEG missing or broken on the machine, or one image it cannot decode: the batched
 call then fails as a whole) is decoded on the CPU instead; only an image the CPU cannot decode either is lost.
-`DecodeCounts` keeps how many images each path decoded. An image stored at another size than the one served
-(`load_hw`) is resized after decoding (`resize_uint8`).
+`DecodeCounts` keeps how many images each path decoded; `DecodeWindow` reports them per epoch record. An image stored
+at another size than the one served (`load_hw`) is resized after decoding (`resize_uint8`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -104,6 +105,41 @@ class DecodeCounts:
 
     def as_dict(self) -> dict[str, int]:
         return {"cpu": self.cpu, "gpu": self.gpu, "gpu_fallback": self.gpu_fallback}
+
+    def since(self, before: DecodeCounts) -> DecodeCounts:
+        """The images decoded after `before` (an earlier copy of these counts); the first nvJPEG error when nvJPEG
+        failed in between."""
+        fallback = self.gpu_fallback - before.gpu_fallback
+        error = self.gpu_error if fallback else None
+        return DecodeCounts(self.cpu - before.cpu, self.gpu - before.gpu, fallback, error)
+
+
+class DecodeWindow:
+    """The images a source decodes from one epoch record to the next, by decoder (`fields`), so that a GPU decode
+    which fell back to the CPU shows in the record instead of passing for a slow loader. A source without
+    `decode_counts` (an in-memory set) decodes nothing."""
+
+    def __init__(self, source):
+        self.source = source
+        self._counts: DecodeCounts | None = getattr(source, "decode_counts", None)
+        self._before = dataclasses.replace(self._counts) if self._counts is not None else DecodeCounts()
+
+    def fields(self) -> dict:
+        """`decoded_cpu`, `decoded_gpu`, `decoded_gpu_fallback` since the previous call (the first: since this window
+        was made) and `decode_cpu_reason` (the source's one line on why the CPU decoded where a GPU decode was asked
+        for; None when it decoded nothing or was asked to); the next window starts here."""
+        if self._counts is None:
+            window, reason = DecodeCounts(), None
+        else:
+            window = self._counts.since(self._before)
+            self._before = dataclasses.replace(self._counts)
+            reason = self.source.cpu_decode_reason(window) if window.cpu else None
+        return {
+            "decoded_cpu": window.cpu,
+            "decoded_gpu": window.gpu,
+            "decoded_gpu_fallback": window.gpu_fallback,
+            "decode_cpu_reason": reason,
+        }
 
 
 def nvjpeg_decode(jpegs: list[Tensor], device: torch.device) -> list[Tensor]:

@@ -26,8 +26,8 @@ Where the decoding happens:
   free memory, else in RAM below `memory_threshold_mb`, else none): the split is decoded once (each rank decodes
   only its share, then the ranks exchange them) and every later pass serves crops from it without any CPU decoding
   (`cache.DecodedCache`).
-`decode_counts` keeps how many images were decoded where. The DataLoader workers are forked, or started from a
-forkserver once CUDA is initialised (`workers.py`).
+`decode_counts` keeps how many images were decoded where (each epoch record holds an epoch's: `decode.DecodeWindow`).
+The DataLoader workers are forked, or started from a forkserver once CUDA is initialised (`workers.py`).
 
 Unreadable samples (a damaged shard, a header or an image that does not decode) are skipped and counted, never fatal:
 `unreadable()` lists them, the trainer leaves them out of the clustering and the metrics, `exclude` keeps them out of
@@ -204,6 +204,7 @@ class ShardSource:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.memory_threshold_mb, self.gpu_cache_share, self.verify = memory_threshold_mb, gpu_cache_share, verify
         self.max_aspect, self.intake = max_aspect, intake or IntakeConfig()
+        self.decode = decode
         self.gpu_decode = decode == "gpu" or (decode == "auto" and self.device.type == "cuda")
         self.decode_counts = DecodeCounts()  # images decoded so far, by where (a cached pass adds none)
         if self.gpu_decode and self.device.type != "cuda":
@@ -350,6 +351,17 @@ class ShardSource:
             except Exception:  # an undecodable WebP: the caller reports it unreadable
                 out.append(None)
         return out
+
+    def cpu_decode_reason(self, window: DecodeCounts) -> str | None:
+        """Why the CPU decoded images of `window` (counts of an epoch) where a GPU decode was asked for, one line; None
+        under `decode="cpu"`."""
+        if self.gpu_decode and window.gpu_fallback:
+            return f"nvJPEG failed on {window.gpu_fallback} images ({window.gpu_error}); the CPU decoded them"
+        if self.gpu_decode:
+            return "PNG or WebP images: nvJPEG decodes JPEGs only"
+        if self.decode == "auto":
+            return f"data.decode=auto on a {self.device.type} device: the CPU decodes (nvJPEG needs CUDA)"
+        return None
 
     def _report_gpu_fallback(self, n: int) -> None:
         _report(
