@@ -333,7 +333,7 @@ def main(argv=None):
         "ref_distance": args.ref_distance,
         "cases": {},
         "notes": (
-            "reference = benchmarks/published/kmeans.py (loop-based transcription of REFERENCE.md 5.1/5.2) with "
+            "reference = benchmarks/published/kmeans.py (loop-based transcription of docs/reference.md §5.1/§5.2) with "
             "the chunk distance named by ref_distance: 'gemm' is faster than the published broadcast (a-b)^2 "
             "form (see sqdist_chunk_seconds), so its speed-ups are conservative; 'broadcast' is as published. "
             "Reference 'balanced' = InfoSieve's two-phase variant, compared with our balance='reference' "

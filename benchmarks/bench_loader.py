@@ -1,14 +1,14 @@
 """Two-view training batches per second: the reference's loader against shards (streaming and in memory).
 
-    python -m benchmarks.bench_loader --data ../shared/realdata/cub100 --json OUT.json
+    python -m benchmarks.bench_loader --data $INFOSIEVE_REALDATA/cub100 --json OUT.json
 
 A *view* is one augmented 224x224 image delivered as part of a normalised float32 batch, as the trainer consumes it.
 - reference: an ImageFolder-style dataset over the JPEG files; per view PIL `Resize(256)` (bicubic) / `RandomCrop(224)`
   / `RandomHorizontalFlip` / `ColorJitter()` (a no-op, as in the reference) / `ToTensor` / `Normalize`; two views per
   image returned as a list (GCD's `ContrastiveLearningViewGenerator`), so the DataLoader (`--workers` workers, batch
   `--batch-size`, shuffled, drop_last) yields a list of two [B, 3, 224, 224] batches, and the consumer makes the
-  view-major [2B, 3, 224, 224] batch the model takes with `torch.cat(images)` (REFERENCE.md §3: `CT.py:321`), in the
-  main process.
+  view-major [2B, 3, 224, 224] batch the model takes with `torch.cat(images)` (docs/reference.md §3: `CT.py:321`), in
+  the main process.
 - reference_stacked (reported for comparison; it is what this script measured before): the same transforms, the two
   views stacked per sample in the worker, the batch flattened to [2B, ...] without a copy; its rows are sample-major
   (image 0 view 0, image 0 view 1, ...), not the reference's view-major order, and it skips the `torch.cat`.

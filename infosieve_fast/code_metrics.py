@@ -1,8 +1,8 @@
 """What the learned codes hold (docs/tree.md): the measures `train.eval_every`, `infosieve eval` and `infosieve tree`
 report next to the backbone's All/Old/New.
 
-- All/Old/New of SS-k-means on the binary digits `code_raw`: the published code's "label" accuracy (REFERENCE §4;
-  it clusters `code_raw` too), here with the run's own evaluation settings (K, balancing, protocol), so it compares
+- All/Old/New of SS-k-means on the binary digits `code_raw`: the published code's "label" accuracy (docs/reference.md
+  §4; it clusters `code_raw` too), here with the run's own evaluation settings (K, balancing, protocol), so it compares
   directly with the backbone-feature All/Old/New;
 - per depth d (4, 8, 16): the number of distinct code prefixes of d digits, their class purity (the share of samples
   in their prefix's majority class) and the normalised mutual information between prefixes and classes;

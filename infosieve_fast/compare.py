@@ -108,7 +108,7 @@ def paper_datasets() -> dict[str, dict]:
 
 def describe_data(cfg: Config) -> dict:
     """{"dataset", "text", "full"}: what a run trains on. `full`: the full official dataset with GCD's split (the
-    shards' manifest.json found its counts equal to REFERENCE.md's), and every train sample used."""
+    shards' manifest.json found its counts equal to docs/reference.md §7's), and every train sample used."""
     d = cfg.data
     if d.source == "digits":
         text, dataset, full = f"the scikit-learn digits ({d.digits.known_classes} of 10 classes known)", "digits", False

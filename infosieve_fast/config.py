@@ -1,6 +1,6 @@
 """One config object: dataclasses loaded from YAML, overridden from the CLI (`--set optim.lr=0.05`).
 
-Defaults are the reference implementation's (REFERENCE.md §1, §3.8, §4); every departure from it is a named switch.
+Defaults are the reference implementation's (docs/reference.md §1, §3.8, §4); every departure from it is a named switch.
 Unknown keys are rejected with their full dotted name, and every value is checked when the config loads, before any
 data is read: its type, its choices (`CHOICES`), its range (`RANGES`) and the few rules that tie settings together
 (config_checks.py).
@@ -26,7 +26,7 @@ class ModelConfig:
     backbone: str = "vit_base_patch16_224"  # a timm model name, created without pretrained weights
     pretrained: str | None = None  # local checkpoint file (timm or original DINO layout); nothing is downloaded
     backbone_kwargs: dict = field(default_factory=dict)  # extra timm.create_model arguments (e.g. in_chans)
-    grad_from_block: int | None = 10  # blocks >= this train (REFERENCE §2.1); null = every backbone parameter trains
+    grad_from_block: int | None = 10  # blocks >= this train (docs/reference.md §2.1); null: all of the backbone trains
     proj_hidden_dim: int = 2048
     proj_bottleneck_dim: int = 256
     proj_out_dim: int = 65536
@@ -49,7 +49,7 @@ class LossConfig:
     temperature: float = 1.0  # InfoNCE T
     supcon_temperature: float = 0.07  # SupCon tau (= base temperature)
     label_smoothing: float = 1.0  # --unsupervised_smoothing
-    # Reference-parity switches (REFERENCE §11); the first value is the reference's behaviour.
+    # Reference-parity switches (docs/reference.md §11); the first value is the reference's behaviour.
     length_weights: str = "stale"  # "stale": always base 2 (the reference bug) | "current": this epoch's base
     sup_code_input: str = "code"  # "code": untruncated weighted code (reference) | "trunc_code": as the paper says
     code_constraint: str = "reference"  # "reference": mean(1-z^2) + bit balance | "paper": mean(z01^2 (1-z01)^2)
@@ -95,9 +95,9 @@ class KMeansConfig:
     max_iter: int = 10
     tol: float = 1e-4
     balanced: bool = True  # the reference balances per-epoch pseudo-labels unless --unbalanced (Herbarium19)
-    # "reference": the published two phases (REFERENCE §5.2), Phase A with frozen labelled centres (+ capacity passes
-    # when balanced), then Phase B; with balanced: false it is the published --unbalanced run. "capacity": a hard
-    # capacity when balanced; with balanced: false it is GCD's one-phase SS-k-means (REFERENCE §5.1).
+    # "reference": the published two phases (docs/reference.md §5.2), Phase A with frozen labelled centres (+ capacity
+    # passes when balanced), then Phase B; with balanced: false it is the published --unbalanced run. "capacity": a hard
+    # capacity when balanced; with balanced: false it is GCD's one-phase SS-k-means (docs/reference.md §5.1).
     balance: str = "reference"
     backend: str = "auto"  # "auto": FAISS only with GPU FAISS and CUDA features, else torch | "torch" | "faiss"
     eval_balanced: bool = True  # the final evaluation's SS-k-means (k_means.py) is balanced unless --unbalanced
@@ -107,7 +107,7 @@ class KMeansConfig:
     # clusters: null = the dataset's number of classes (the published runs) | an integer | "auto": estimated from
     # the backbone features before training (GCD's method, `infosieve estimate-k`), then kept for the whole run
     n_clusters: int | str | None = None
-    # balanced rounds' capacity: null = ceil(N / K), the published value (REFERENCE §5.2); an integer >= 1 sets it
+    # balanced rounds' capacity: null = ceil(N / K), as published (docs/reference.md §5.2); an integer >= 1 sets it
     cluster_size: int | None = None
     # labelled clusters keep their class mean as centre in every iteration (the published code frees them in Phase B)
     freeze_labelled_centers: bool = False

@@ -1,7 +1,7 @@
-"""InfoSieve's training objective (REFERENCE.md §3.10), composed from the kernels' terms.
+"""InfoSieve's training objective (docs/reference.md §3.10), composed from the kernels' terms.
 
 It knows the coefficients and the parity switches, not the kernels' internals. Every term runs in fp32 (the
-65536-d Gram and the length term must not run in bf16, REFERENCE §8), whatever autocast is active.
+65536-d Gram and the length term must not run in bf16, docs/reference.md §8), whatever autocast is active.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class InfoSieveLoss:
         """Total loss and its detached terms for a batch of B samples whose 2 views form the model's 2B rows.
 
         `targets` are ground-truth classes (used where `labelled`), `pseudo_labels` this epoch's cluster ids; the
-        pseudo-label SupCon uses the ground truth on labelled samples (REFERENCE §3.10).
+        pseudo-label SupCon uses the ground truth on labelled samples (docs/reference.md §3.10).
         """
         cfg = self.cfg
         if not targets.is_cuda:  # free on the CPU; on CUDA the trainer checks the whole train set once per epoch

@@ -1,4 +1,4 @@
-"""Clustering accuracy for generalised category discovery (REFERENCE.md §6).
+"""Clustering accuracy for generalised category discovery (docs/reference.md §6).
 
 All functions follow GCD's ``project_utils/cluster_and_log_utils.py`` (which InfoSieve copies byte for byte) and
 SimGCD's class-balanced ``v2b``. The confusion matrix is ``w[pred, true]`` of shape ``(D, D)`` with

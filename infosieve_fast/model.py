@@ -1,6 +1,6 @@
 """The InfoSieve model: backbone -> projection head (DINOHead) -> labeller (coder, masker, categorizer).
 
-Shapes, init and state-dict keys follow REFERENCE.md §2. Departures: `age`, `code_weight` and `length_weight` are
+Shapes, init and state-dict keys follow docs/reference.md §2. Departures: `age`, `code_weight` and `length_weight` are
 buffers (the reference keeps them as plain attributes, so its checkpoints lose them), and the backbone's frozen
 blocks run under `torch.no_grad()` so they keep no activations.
 """
@@ -40,8 +40,8 @@ class Backbone(nn.Module):
     """A timm model (or any module mapping images to [B, feat_dim]) with the reference's freezing rule.
 
     `grad_from_block=g`: every parameter is frozen, then those of blocks >= g train; patch_embed, cls_token,
-    pos_embed and the final norm stay frozen (REFERENCE §2.1). `None` trains everything. For timm ViTs the frozen
-    prefix (embedding and blocks < g) runs under `inference_mode`, so it keeps no activations.
+    pos_embed and the final norm stay frozen (docs/reference.md §2.1). `None` trains everything. For timm ViTs the
+    frozen prefix (embedding and blocks < g) runs under `inference_mode`, so it keeps no activations.
 
     `frozen_bf16=True` stores the frozen prefix in bf16 and runs it in plain bf16 (residual stream and LayerNorm
     included) instead of under fp32-autocast: autocast keeps LayerNorm and the residual adds in fp32 and casts every
@@ -297,7 +297,7 @@ class WeightNormLinear(nn.Module):
 
 
 class ProjectionHead(nn.Module):
-    """GCD's DINOHead: MLP to the bottleneck, L2-normalise, weight-normed last layer (REFERENCE §2.2)."""
+    """GCD's DINOHead: MLP to the bottleneck, L2-normalise, weight-normed last layer (docs/reference.md §2.2)."""
 
     def __init__(self, in_dim: int, hidden_dim: int, bottleneck_dim: int, out_dim: int, n_layers: int = 3):
         super().__init__()
@@ -311,7 +311,7 @@ class ProjectionHead(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------- labeller
 class Labeller(nn.Module):
-    """DINOLABELLING: coder and masker MLPs to L bits, the fused code head, and the categorizer (REFERENCE §2.3)."""
+    """DINOLABELLING: coder and masker MLPs to L bits, the fused code head, the categorizer (docs/reference.md §2.3)."""
 
     def __init__(self, in_dim: int, code_length: int, n_classes: int, hidden_dim: int = 128, n_layers: int = 2):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Per-epoch schedules: model age, positional base, learning rate (REFERENCE.md §2.3, §4)."""
+"""Per-epoch schedules: model age, positional base, learning rate (docs/reference.md §2.3, §4)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def age(epoch: int, epochs: int, age_max: float) -> float:
 
 
 def positional_base(epoch: int, epochs: int, base_start: float = 2.0) -> float:
-    """base_start - epoch / epochs: 2 at the first epoch, 1.005 at the last of 200 (REFERENCE §2.3)."""
+    """base_start - epoch / epochs: 2 at the first epoch, 1.005 at the last of 200 (docs/reference.md §2.3)."""
     return base_start - epoch / epochs
 
 

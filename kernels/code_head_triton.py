@@ -1,4 +1,4 @@
-"""Fused Triton code head: the labeller's elementwise block and its three regularisers (REFERENCE.md §2.3, §3.3-3.5).
+"""Fused Triton code head: the labeller's elementwise block, its three regularisers (docs/reference.md §2.3, §3.3-3.5).
 
 `code_head(code_feat, mask_feat, age, code_weight, length_weight)` computes the same `CodeHead` as
 `reference.code_head`, forward and backward, with three small kernels:

@@ -1,4 +1,4 @@
-"""Drop-in replacements for the loss and labeller names of the original InfoSieve code (REFERENCE.md §8).
+"""Drop-in replacements for the loss and labeller names of the original InfoSieve code (docs/reference.md §8).
 
 Each class or function here has the name and call signature of its counterpart in the reference
 `methods/contrastive_training/contrastive_training.py` / `models/vision_transformer.py`, and computes the same value
@@ -159,7 +159,7 @@ class NormPLoss(nn.Module):
     """Length loss (`CT.py:38-49`): `||x / w||_p / ||1 / w||_p` over the whole tensor.
 
     Keeps the very tensor it was built with, as the reference does: rebinding `labeller.code_weight` later does not
-    reach it (the stale base-2 weights of REFERENCE.md §3.5). p = 1 is computed in at least float32.
+    reach it (the stale base-2 weights of docs/reference.md §3.5). p = 1 is computed in at least float32.
     """
 
     def __init__(self, pnorm=1, code_weight=None):

@@ -1,6 +1,6 @@
 """Fused Euclidean contrastive losses (InfoNCE with label smoothing, SupCon over a label vector) in Triton.
 
-Same functions as `reference.info_nce_loss` / `supcon_loss` (REFERENCE.md §3.1, §3.2, §3.9, §8), forward and
+Same functions as `reference.info_nce_loss` / `supcon_loss` (docs/reference.md §3.1, §3.2, §3.9, §8), forward and
 backward, without an N x N matrix in memory on the tiled path.
 
 Math (x_i = s_i f_i, s_i = 1 / max(||f_i||, NORM_EPS) for InfoNCE, s_i = 1 for SupCon):

@@ -1,4 +1,4 @@
-"""The MLP and the initialisation of the projection head and the labeller (REFERENCE.md §2.2, §2.3).
+"""The MLP and the initialisation of the projection head and the labeller (docs/reference.md §2.2, §2.3).
 
 They live here, below `infosieve_fast`, because the compat layer's `DINOLABELLING` builds the same MLPs.
 """
@@ -17,7 +17,7 @@ def trunc_normal_init(module: nn.Module) -> None:
 
 def mlp(in_dim: int, hidden_dim: int, out_dim: int, n_hidden: int, use_bn: bool = False) -> nn.Sequential:
     """Linear(in, h), GELU, [Linear(h, h), GELU] * n_hidden, Linear(h, out), with BatchNorm1d before each GELU if
-    `use_bn`: the projection head's and the labeller's MLPs (REFERENCE §2.2, §2.3)."""
+    `use_bn`: the projection head's and the labeller's MLPs (docs/reference.md §2.2, §2.3)."""
     layers: list[nn.Module] = []
     for width in [in_dim] + [hidden_dim] * n_hidden:
         layers.append(nn.Linear(width, hidden_dim))

@@ -1,4 +1,4 @@
-"""InfoSieve's loss math in plain PyTorch (REFERENCE.md §3): the oracle for the Triton kernels and the CPU path.
+"""InfoSieve's loss math in plain PyTorch (docs/reference.md §3): the oracle for the Triton kernels and the CPU path.
 
 Conventions shared with the fused kernels:
 - Contrastive inputs are view-major: rows [view-0 of B samples; view-1 of the same B samples], N = 2B.
@@ -22,7 +22,7 @@ NORM_EPS = 1e-12  # F.normalize's eps: rows shorter than this are divided by it,
 
 
 class CodeHead(NamedTuple):
-    """The labeller's elementwise block and its three regularisers (REFERENCE.md §2.3, §3.3-3.5)."""
+    """The labeller's elementwise block and its three regularisers (docs/reference.md §2.3, §3.3-3.5)."""
 
     code_raw: Tensor  # tanh(age * code_feat), in (-1, 1)
     mask: Tensor  # (tanh(mask_feat + 1/(age+1)) + 1) / 2, in (0, 1)
@@ -34,7 +34,7 @@ class CodeHead(NamedTuple):
 
 
 def positional_weights(length: int, base: float, *, device=None, dtype=torch.float32) -> Tensor:
-    """w_k = base^(-k), k = 0..length-1 (REFERENCE.md §2.3)."""
+    """w_k = base^(-k), k = 0..length-1 (docs/reference.md §2.3)."""
     k = torch.arange(length, dtype=torch.float64, device=device)
     return torch.pow(torch.as_tensor(float(base), dtype=torch.float64, device=device), -k).to(dtype)
 
@@ -72,7 +72,7 @@ def pairwise_distances(x: Tensor) -> Tensor:
 
 def contrastive_logits(x: Tensor, temperature: float, rowsum_normalize: bool) -> Tensor:
     """-d / T, or with `rowsum_normalize` -d_ij / (sum_k d_jk + ROW_SUM_EPS) / T: column j divided by row j's sum, as
-    the reference does for the codes (its `is_code=True`, REFERENCE.md §3.2)."""
+    the reference does for the codes (its `is_code=True`, docs/reference.md §3.2)."""
     d = pairwise_distances(x)
     if rowsum_normalize:
         d = d / (d.sum(1)[None, :] + ROW_SUM_EPS)

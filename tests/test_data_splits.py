@@ -33,7 +33,7 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def _expected_labelled(native_labels: np.ndarray, known: list[int]) -> np.ndarray:
-    """REFERENCE.md §11: RandomState(0).permutation(n)[:n//2] over the known-class subset in native order."""
+    """docs/reference.md §7: RandomState(0).permutation(n)[:n//2] over the known-class subset in native order."""
     known_idx = np.flatnonzero(np.isin(native_labels, known))
     mask = np.zeros(len(native_labels), bool)
     mask[known_idx[np.random.RandomState(0).permutation(len(known_idx))[: len(known_idx) // 2]]] = True
@@ -73,7 +73,7 @@ def test_class_lists_partition_and_pin():
     assert splits.imagenet100_choice() == list(splits.IMAGENET100_CLASSES)
     assert splits.CUB_KNOWN[:5] == (150, 70, 34, 178, 199) and splits.CUB_NOVEL[:4] == (29, 110, 3, 8)
     assert splits.AIRCRAFT_NOVEL[:8] == (6, 7, 8, 9, 12, 13, 31, 32)  # Hard first, not sorted
-    # pin the exact lists transcribed from REFERENCE.md §7
+    # pin the exact lists, in the published order (docs/reference.md §7)
     blob = repr(
         [
             splits.CUB_KNOWN,
@@ -108,7 +108,7 @@ def test_gcd_split_novel_order_and_counts():
 
 
 def test_check_counts_against_reference_table():
-    # the full CIFAR-10 train set: labelled 12,500 / unlabelled 37,500 (REFERENCE.md §7)
+    # the full CIFAR-10 train set: labelled 12,500 / unlabelled 37,500 (docs/reference.md §7)
     y = np.repeat(np.arange(10), 5000)
     labelled, t = gcd_split(y, range(5))
     counts = split_counts(labelled, t, 5, n_test=10_000)
@@ -116,7 +116,7 @@ def test_check_counts_against_reference_table():
     assert check_counts("cifar10", counts) == []
     assert check_counts("cifar10", counts | {"labelled": 12_000}) != []
     assert check_counts("cifar10", counts | {"train": 500}) == []  # a partial copy is not compared
-    # CUB: 5,994 train images, ~30 per class -> 1,498 labelled (REFERENCE.md §7 [EST])
+    # CUB: 5,994 train images, ~30 per class -> 1,498 labelled (docs/reference.md §7 [EST])
     assert check_counts("cub", {"train": 5994, "labelled": 1498, "unlabelled": 4496, "test": 5794}) == []
     # ImageNet-1k: the totals do not fix the first 500 classes' image count, so nothing is compared
     assert "imagenet1k" not in splits.EXPECTED_COUNTS

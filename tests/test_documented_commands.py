@@ -212,7 +212,7 @@ def bound(tmp_path_factory, realdata) -> dict[str, str]:
 def bind(command: str, bound: dict[str, str], name: str) -> str:
     """The command with its placeholders and output paths replaced by `bound`'s (nothing is written in the repo)."""
     out = Path(bound["tmp"]) / name
-    command = command.replace("../shared/realdata", bound["realdata"])
+    command = command.replace("$INFOSIEVE_REALDATA", bound["realdata"])
     command = re.sub(r"runs/demo-<timestamp>|/tmp/demo_readme|\bRUN\b(?!_)", bound["run"], command)
     command = re.sub(r"\bSWEEP\b", bound["sweep"], command)
     command = re.sub(r"NEW_IMAGES/|/tmp/mnist200(?=\s|$)", bound["images"], command)

@@ -1,4 +1,4 @@
-"""`InfoSieveLoss` (REFERENCE.md §3.10) on hand-built `ModelOutput`s: the composition, the parity switches, the
+"""`InfoSieveLoss` (docs/reference.md §3.10) on hand-built `ModelOutput`s: the composition, the parity switches, the
 pseudo-label/ground-truth handling, edge batches and the fp32 guarantee under autocast.
 
 Every expected value is recomputed here from `kernels.reference` term by term, in a different way from the loss
@@ -96,7 +96,7 @@ def hand_ce(logits: torch.Tensor, classes: list[int]) -> float:
 
 
 def expected_parts(batch: Batch, out: ModelOutput, cfg: LossConfig, pseudo=None) -> dict[str, torch.Tensor]:
-    """REFERENCE §3.1-3.6/3.10 from the oracle's terms; the GT SupCon runs on the labelled rows only."""
+    """docs/reference.md §3.1-3.6/3.10 from the oracle's terms; the GT SupCon runs on the labelled rows only."""
     lab = batch.labelled
     y = batch.targets
     yhat = torch.where(lab, y, batch.pseudo if pseudo is None else pseudo)
@@ -186,7 +186,7 @@ def test_total_is_the_documented_weighted_sum(cfg, gen):
 
 
 def test_default_weights_are_the_reference_coefficients():
-    cfg = LossConfig()  # REFERENCE §3.8
+    cfg = LossConfig()  # docs/reference.md §3.8
     assert (cfg.alpha, cfg.beta, cfg.delta, cfg.zeta, cfg.mu, cfg.eta) == (1.0, 1.0, 0.1, 0.01, 0.01, 0.01)
     assert (cfg.sup_con_weight, cfg.sup_code_weight, cfg.temperature, cfg.supcon_temperature) == (0.35, 0.35, 1.0, 0.07)
     assert cfg.label_smoothing == 1.0

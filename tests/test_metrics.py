@@ -1,4 +1,4 @@
-"""Tests for infosieve_fast.metrics (REFERENCE.md §6).
+"""Tests for infosieve_fast.metrics (docs/reference.md §6).
 
 Hand-made cases carry their answers worked out in comments; property tests compare against a slow, loop-by-loop
 transcription of the reference pseudo-code written here independently of the module.

@@ -21,7 +21,7 @@ def test_grad_from_block_freezes_exactly_the_reference_set():
     frozen = {n for n, p in backbone.net.named_parameters() if not p.requires_grad}
     assert trainable and all(n.startswith(("blocks.2.", "blocks.3.")) for n in trainable)
     assert {n for n in frozen if n.startswith(("blocks.2.", "blocks.3."))} == set()
-    # REFERENCE §2.1: patch_embed, cls_token, pos_embed and the final norm stay frozen
+    # docs/reference.md §2.1: patch_embed, cls_token, pos_embed and the final norm stay frozen
     assert {"cls_token", "pos_embed", "norm.weight", "norm.bias", "patch_embed.proj.weight"} <= frozen
     assert all(n.startswith(("blocks.0.", "blocks.1.")) for n in frozen if n.startswith("blocks."))
 

@@ -9,7 +9,7 @@ Both sides get the same weights (`copy_weights_from_fast`), views, labels, pseud
   any precision: Gram-matrix distances (infosieve-fast, and `torch.cdist` above 25 rows) and direct differences
   (`torch.cdist` up to 25 rows) then disagree, and the gradient of a distance of ~0 is a unit vector of noise.
   - B = 6 (12 rows), so `torch.cdist` takes its exact path and its diagonal is 0 like infosieve-fast's (above 25 rows
-    it carries ~3e-8 of noise in float64, REFERENCE §8: 1.5e-7 on a coder-bias gradient at 32 rows, measured).
+    it carries ~3e-8 of noise in float64, docs/reference.md §8: 1.5e-7 on a coder-bias gradient at 32 rows, measured).
   - The coder's weights are scaled x10: with the default init (code_feat ~1e-5) every normalised code lies within
     ~2e-4 of the others after one lr-0.1 step (the coder's last bias, ~0.05 after the step, dominates).
   - SGD lr 1e-4 (momentum 0.9, weight decay 1e-4 as published): at lr 0.1 one step of this random tiny model
@@ -313,7 +313,7 @@ def test_published_epoch_smoke(device, monkeypatch):
 
 
 def test_published_freezing_rule_matches_reference():
-    """REFERENCE §2.1: patch_embed, cls_token, pos_embed and the final norm stay frozen; blocks >= g train."""
+    """docs/reference.md §2.1: patch_embed, cls_token, pos_embed and the final norm stay frozen; blocks >= g train."""
     model = pt.build_published_model(2, "vit_tiny_patch16_224", 3, 8, 64, {"img_size": 32, "depth": 5}, 32, 16)
     for name, p in model.backbone.named_parameters():
         expected = name.startswith("blocks.") and int(name.split(".")[1]) >= 3

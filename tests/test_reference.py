@@ -1,15 +1,15 @@
-"""The loss oracle (`kernels/reference.py`) against REFERENCE.md §3, three ways.
+"""The loss oracle (`kernels/reference.py`) against docs/reference.md §3, three ways.
 
 1. Independent loop computations: explicit Python loops over rows i, j with `math.sqrt/exp/log/tanh` on float64
-   tiny inputs (4 samples x 3 dims, 2 views = 8 rows), written from the formulas of REFERENCE §3.1-3.5 and calling
-   none of the oracle's helpers. The same loops run on 0-d torch tensors (`TorchMath`) to give an analytic
+   tiny inputs (4 samples x 3 dims, 2 views = 8 rows), written from the formulas of docs/reference.md §3.1-3.5 and
+   calling none of the oracle's helpers. The same loops run on 0-d torch tensors (`TorchMath`) to give an analytic
    gradient where finite differences cannot (a zero distance), plus a few fully hand-computed cases.
 2. Gradients: `torch.autograd.gradcheck` in float64 on every term, away from zero distances; duplicate rows give a
    finite gradient equal to the analytic one with the duplicate pair's distance contributing 0.
 3. The original code's arithmetic: `benchmarks/published/model.py` transcribes `info_nce_logits` (cdist, positive
    in column 0, negatives after it), HobbitLong's `SupConLoss` (max subtraction, `contrast_mode='all'`), `HLoss`
    and `NormPLoss` (`torch.norm(p=1)` over the whole tensor); it is combined here with
-   `nn.CrossEntropyLoss(label_smoothing=s)` and the labeller's elementwise forward (REFERENCE §2.3).
+   `nn.CrossEntropyLoss(label_smoothing=s)` and the labeller's elementwise forward (docs/reference.md §2.3).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def _euclid(a: list, b: list, m):
 
 
 def _similarities(f: list, temperature: float, is_code: bool, m) -> list:
-    """s_ij = -d_ij / T, or -d_ij / (sum_k d_jk + 1e-10) / T for codes (REFERENCE §3.2: column j over row j's sum)."""
+    """s_ij = -d_ij / T, or -d_ij / (sum_k d_jk + 1e-10) / T for codes (docs/reference.md §3.2: column j over row j's
+    sum)."""
     n = len(f)
     d = [[_euclid(f[i], f[j], m) for j in range(n)] for i in range(n)]
     if is_code:
@@ -90,7 +91,7 @@ def _similarities(f: list, temperature: float, is_code: bool, m) -> list:
 
 
 def loop_info_nce(x: torch.Tensor, temperature=1.0, smoothing=0.0, is_code=False, m=math):
-    """REFERENCE §3.1: row i's classes are the 2B-1 other rows, the positive is i +- B;
+    """docs/reference.md §3.1: row i's classes are the 2B-1 other rows, the positive is i +- B;
     l_i = (1 - s)(-log p_pos) + s * mean_c(-log p_c); the loss is the mean over rows."""
     f = [_normalize(r, m) for r in _rows(x, m)]
     n = len(f)
@@ -106,7 +107,7 @@ def loop_info_nce(x: torch.Tensor, temperature=1.0, smoothing=0.0, is_code=False
 
 
 def loop_supcon(x: torch.Tensor, labels, temperature=0.07, base=0.07, is_code=False, m=math):
-    """REFERENCE §3.1: over the rows with a label >= 0, loss_i = -(tau/base) mean_{j in P(i)} log p_ij with
+    """docs/reference.md §3.1: over the rows with a label >= 0, loss_i = -(tau/base) mean_{j in P(i)} log p_ij with
     p_ij = exp(s_ij) / sum_{k != i} exp(s_ik); the mean over anchors that have a positive (0 when none)."""
     labels = [int(v) for v in labels]
     keep = [i for i, v in enumerate(labels) if v >= 0]
@@ -124,7 +125,7 @@ def loop_supcon(x: torch.Tensor, labels, temperature=0.07, base=0.07, is_code=Fa
 
 
 def loop_code_head(cf: torch.Tensor, mf: torch.Tensor, age: float, w: torch.Tensor, lw: torch.Tensor) -> dict:
-    """REFERENCE §2.3 forward and §3.3-3.5 terms, element by element."""
+    """docs/reference.md §2.3 forward and §3.3-3.5 terms, element by element."""
     cf, mf, w, lw = cf.tolist(), mf.tolist(), w.tolist(), lw.tolist()
     n, length = len(cf), len(w)
     z = [[math.tanh(age * v) for v in r] for r in cf]
@@ -364,7 +365,7 @@ def test_supcon_matches_original_and_minus_one_is_the_labelled_subset(is_code, g
 @pytest.mark.parametrize("weights", ["stale", "current"])
 @pytest.mark.parametrize("age", AGES)
 def test_code_head_matches_original(age, weights, gen):
-    """DINOLABELLING's forward + HLoss + NormPLoss(p=1, code_weight) at L = 40 (REFERENCE §2.3, §3.3-3.5)."""
+    """DINOLABELLING's forward + HLoss + NormPLoss(p=1, code_weight) at L = 40 (docs/reference.md §2.3, §3.3-3.5)."""
     n, length, base = 2 * B, 40, 1.6
     cf, mf = _rand(gen, n, length), _rand(gen, n, length)
     code_weight = torch.pow(torch.tensor(base, dtype=torch.float64), torch.arange(0, -length, -1))  # CT.py:309
@@ -395,7 +396,7 @@ def test_code_head_matches_original(age, weights, gen):
             )
             for a, b in zip(ours_grads, their_grads, strict=True):
                 _close(a, b, rtol=1e-10, atol=1e-14, what=f"d {name}")
-    # REFERENCE §3.5: the stale length is a batch sum, sum_ik m_ik 2^k / (2^L - 1), no 1/N.
+    # docs/reference.md §3.5: the stale length is a batch sum, sum_ik m_ik 2^k / (2^L - 1), no 1/N.
     if weights == "stale":
         k = torch.arange(length, dtype=torch.float64)
         _close(head.length, (mask * 2.0**k).sum() / (2.0**length - 1), what="batch-sum length")
@@ -411,7 +412,7 @@ def test_length_is_a_batch_sum_and_current_weights_differ(gen):
     assert abs(current.item() - stale.item()) > 1e-9 * n
 
 
-# ------------------------------------------------------------------------------------- REFERENCE §3.9 sign property
+# ------------------------------------------------------------------------------ docs/reference.md §3.9 sign property
 @pytest.mark.parametrize("trial", range(3))
 def test_smoothing_flips_the_sign_of_the_positive_distance_gradient(trial, gen, monkeypatch):
     """dL/d(d_pos) > 0 at s = 0 (positives pulled together) and < 0 at s = 1 when the positive is the nearest row.

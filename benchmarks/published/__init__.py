@@ -1,6 +1,6 @@
 """Transcriptions of the published InfoSieve code, the baseline for benchmarks and the oracle for tests.
 
-Written from the description in REFERENCE.md (not copied from the public code); not part of the installed package.
+Written from the description in docs/reference.md (not copied from the public code); not part of the installed package.
 
 * `model`: the model and loss modules (`SupConLoss`, `info_nce_logits`, `HLoss`, `NormPLoss`, `Norm0Loss`,
   `DINOHead`, `DINOLABELLING`), the names `kernels.compat` replaces.

@@ -1,4 +1,4 @@
-"""The reference's loop-based semi-supervised k-means, transcribed from REFERENCE.md §5.1 / §5.2.
+"""The reference's loop-based semi-supervised k-means, transcribed from docs/reference.md §5.1 / §5.2.
 
 Written from the description (not from the published code) to serve as the timing baseline of ``bench_kmeans.py`` and
 as the oracle of ``tests/test_kmeans.py``. It keeps the reference's structure on purpose: k-means++ recomputes the

@@ -2,12 +2,12 @@
 
 Used by the tests (as the oracle) and by `benchmarks/published/train.py` (the published training step).
 
-Transcribed from the behaviour REFERENCE.md §2.2, §2.3, §3 and §8 describe (not copied from the public code): the
+Transcribed from the behaviour docs/reference.md §2.2, §2.3, §3 and §8 describe (not copied from the public code): the
 names, signatures and arithmetic of `SupConLoss` (HobbitLong's SupCon with Euclidean logits and the `is_code`
 row-sum normalisation), `HLoss`, `NormPLoss`, `Norm0Loss`, `info_nce_logits` (reads `args.n_views`,
 `args.temperature` and the module-global `device`), `DINOHead` and `DINOLABELLING`. Distances come from
 `torch.cdist`, as in the original, so for more than 25 rows the diagonal carries the matrix-multiply path's rounding
-noise (REFERENCE.md §8).
+noise (docs/reference.md §8).
 """
 
 import warnings

@@ -1,6 +1,6 @@
-"""The published InfoSieve training step and epoch, composed as the published loop does (REFERENCE.md §2-§4).
+"""The published InfoSieve training step and epoch, composed as the published loop does (docs/reference.md §2-§4).
 
-Written from REFERENCE.md's description of `CT.py` (not copied from the public code; the per-step records of the
+Written from docs/reference.md's description of `CT.py` (not copied from the public code; the per-step records of the
 loop's logging were read there for facts). It is the timing baseline of the training benchmark and the oracle the
 tests compare one infosieve-fast step against. It keeps the published structure on purpose:
 
@@ -250,7 +250,7 @@ def published_loss(
     n_old: int | None = None,
     log: StepLog | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The published loss of one batch (`CT.py:321-411`, REFERENCE §3.10): (total, detached parts).
+    """The published loss of one batch (`CT.py:321-411`, docs/reference.md §3.10): (total, detached parts).
 
     `images`: the [2B, ...] view-major concatenation (`torch.cat(views)`); `class_labels` [B] ground truth (read where
     `mask_lab`), `mask_lab` [B] bool, `pseudo_labels` [B] this epoch's cluster ids (overwritten by the ground truth on
@@ -426,7 +426,8 @@ def published_pseudo_labels(
     random_state=None,
     sqdist_mode: str = "gemm",
 ) -> Tensor:
-    """Per-sample cluster ids [N] (on `feats`' device) from the published balanced SS-k-means (REFERENCE §4, §5.2).
+    """Per-sample cluster ids [N] (on `feats`' device) from the published balanced SS-k-means
+    (docs/reference.md §4, §5.2).
 
     K = n_classes, tolerance 1e-4, 10 iterations (+10 in Phase B), 10 inits, k-means++ with the published row
     deletion, `cluster_size = ceil(N / K)` (None with `balanced=False`, i.e. `--unbalanced`). `random_state=None` is
@@ -570,11 +571,11 @@ def _random_state(random_state) -> np.random.RandomState:
 
 
 def kmeans_pytorch(X: Tensor, num_clusters: int, tol: float = 1e-4, random_state=None) -> tuple[Tensor, Tensor]:
-    """`kmeans_pytorch.kmeans(X, num_clusters, distance='euclidean', device=X.device)` (REFERENCE §5.3): initial centres
-    `choice(N, K, replace=False)` (numpy's global RandomState unless `random_state`), Lloyd steps on the full
-    [N, K, D] broadcast of squared differences, the means in a Python loop over the clusters (an empty one takes a
-    random point, torch's global generator), until (sum of the centre shifts)^2 < tol, with no iteration cap. Returns
-    the last assignment and the centres, on the CPU."""
+    """`kmeans_pytorch.kmeans(X, num_clusters, distance='euclidean', device=X.device)` (docs/reference.md §5.3):
+    initial centres `choice(N, K, replace=False)` (numpy's global RandomState unless `random_state`), Lloyd steps on
+    the full [N, K, D] broadcast of squared differences, the means in a Python loop over the clusters (an empty one
+    takes a random point, torch's global generator), until (sum of the centre shifts)^2 < tol, with no iteration cap.
+    Returns the last assignment and the centres, on the CPU."""
     X = X.float()
     state = X[_random_state(random_state).choice(len(X), num_clusters, replace=False)]
     while True:
@@ -606,14 +607,14 @@ def _cluster_acc(y_true: np.ndarray, y_pred: np.ndarray) -> float:
 
 
 def split_acc_v1(y_true: np.ndarray, y_pred: np.ndarray, mask: np.ndarray) -> tuple[float, float, float]:
-    """One Hungarian per subset (REFERENCE §6)."""
+    """One Hungarian per subset (docs/reference.md §6)."""
     old, new = _cluster_acc(y_true[mask], y_pred[mask]), _cluster_acc(y_true[~mask], y_pred[~mask])
     share = mask.mean()
     return share * old + (1 - share) * new, old, new
 
 
 def split_acc_v2(y_true: np.ndarray, y_pred: np.ndarray, mask: np.ndarray) -> tuple[float, float, float]:
-    """One Hungarian over all samples, then Old / New over the true classes of each subset (REFERENCE §6)."""
+    """One Hungarian over all samples, then Old / New over the true classes of each subset (docs/reference.md §6)."""
     w, ind = _cluster_acc_parts(y_true, y_pred)
     pred_of = {j: i for i, j in ind}
     total = sum(w[i, j] for i, j in ind) / y_pred.size
@@ -681,7 +682,7 @@ def published_epoch(
     stand_ins: StandIns | None = None,
     max_images: int | None = None,
 ) -> EpochResult:
-    """One published epoch on images already on the device (REFERENCE §4): pseudo-labels, schedule, steps; with
+    """One published epoch on images already on the device (docs/reference.md §4): pseudo-labels, schedule, steps; with
     `released`, as the published loop runs it (the module docstring lists what that adds).
 
     `images_uint8` [N, C, H, W], `targets` [N] (ground truth, read only where labelled), `labelled_mask` [N].

@@ -1,7 +1,7 @@
 """Batched augmentation on the device: random crop, horizontal flip, optional colour jitter, normalise.
 
 The CPU only decodes; the views are made here from uint8 batches. The reference's `ColorJitter()` has no arguments
-and is the identity, so colour jitter is off by default (REFERENCE.md §4).
+and is the identity, so colour jitter is off by default (docs/reference.md §4).
 """
 
 from __future__ import annotations

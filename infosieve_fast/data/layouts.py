@@ -1,4 +1,4 @@
-"""Readers for the native on-disk layouts of the official dataset downloads (REFERENCE.md §7).
+"""Readers for the native on-disk layouts of the official dataset downloads (docs/reference.md §7).
 
 Each reader returns a `RawDataset`: the train and test samples in the dataset's native order (the order the reference
 loaders produce, which fixes which images `labelled_subset` picks), native class ids, and the known/novel class lists

@@ -1,4 +1,4 @@
-"""Weighted sampling with a controlled labelled share (REFERENCE.md §4, step 3)."""
+"""Weighted sampling with a controlled labelled share (docs/reference.md §4, step 3)."""
 
 from __future__ import annotations
 

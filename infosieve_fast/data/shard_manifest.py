@@ -16,7 +16,7 @@ FORMAT = "infosieve-shards/1"
 MANIFEST = "manifest.json"
 STATE = ".make-shards-state.json"
 ORDER_SEED = 0  # the fixed shuffle of the train write order
-PROP, SPLIT_SEED = 0.5, 0  # REFERENCE.md §7: half of the known-class images labelled, RandomState(0)
+PROP, SPLIT_SEED = 0.5, 0  # docs/reference.md §7: half of the known-class images labelled, RandomState(0)
 
 
 class ShardsError(RuntimeError):

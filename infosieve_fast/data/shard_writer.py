@@ -35,8 +35,8 @@ class Plan:
 
 
 def _train_split(raw: RawDataset, holdout: float, holdout_seed: int) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(labelled mask, targets, counts) of the train samples in native order: the GCD split (REFERENCE.md §7), or for
-    your own images every labelled image but the held-out share (`splits.discovery_split`)."""
+    """(labelled mask, targets, counts) of the train samples in native order: the GCD split (docs/reference.md §7), or
+    for your own images every labelled image but the held-out share (`splits.discovery_split`)."""
     if raw.dataset == DISCOVERY:
         labelled, targets, held = discovery_split(raw.train_labels, holdout, holdout_seed)
         return labelled, targets, discovery_counts(targets, held)

@@ -1,10 +1,10 @@
-"""GCD splits: which classes are known, which of their images are labelled (REFERENCE.md §7).
+"""GCD splits: which classes are known, which of their images are labelled (docs/reference.md §7).
 
 `labelled_subset` and `gcd_split` are the core recipe. Below them: the class lists of the eight datasets exactly as the
 reference code uses them (SSB lists with the novel classes in the order Hard + Medium + Easy, the ImageNet-100 class
 choice, the Herbarium19 `Old` list in its lexicographic-folder indices), kept as package data in `classes/*.txt`,
 ImageNet-1k's split (GCD's: the first 500 of the 1000 sorted classes known, the same recipe) and the counts of
-REFERENCE.md §7's table, so that a dataset read from its native layout can be checked against them.
+docs/reference.md §7's table, so that a dataset read from its native layout can be checked against them.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _class_table(name: str) -> tuple[int, ...]:
     return tuple(int(line) for line in text.split())
 
 
-# Class lists in the order the reference code uses (REFERENCE.md §7), transcribed from it into `classes/*.txt`;
+# Class lists in the order the reference code uses (docs/reference.md §7), transcribed from it into `classes/*.txt`;
 # `tests/test_data_splits.py` pins their content.
 CUB_KNOWN = _class_table("cub_known")
 CUB_NOVEL = _class_table("cub_novel")
@@ -183,7 +183,7 @@ def class_split(dataset: str) -> ClassSplit:
     raise KeyError(f"no reference class split for dataset {dataset!r}")
 
 
-# REFERENCE.md §7's table, for the full official datasets. `approx`: the table gives ≈ values (relative tolerance);
+# docs/reference.md §7's table, for the full official datasets. `approx`: the table gives ≈ values (relative tolerance);
 # `train` is the official train-set size, used to tell the full dataset from a partial copy.
 # ImageNet-1k has no entry, so its counts are not checked: the labelled count is half of the images of the first 500
 # sorted wnid classes, which the totals (1,281,167 train, 50,000 val) do not determine (train classes hold 732 to
@@ -201,7 +201,7 @@ EXPECTED_COUNTS: dict[str, dict] = {
 
 
 def check_counts(dataset: str, counts: dict[str, int]) -> list[str]:
-    """Differences between `counts` and REFERENCE.md §7's table; [] when they agree or when no check applies.
+    """Differences between `counts` and docs/reference.md §7's table; [] when they agree or when no check applies.
 
     The check applies only to the full official dataset (its train size, where the table implies one); a partial copy
     (a test tree, a subset) is not compared. ImageNet-100's train size is only known approximately: it is compared when
@@ -221,5 +221,5 @@ def check_counts(dataset: str, counts: dict[str, int]) -> list[str]:
             continue
         want, got = exp[key], counts[key]
         if abs(got - want) > tol * want:
-            problems.append(f"{dataset}: {key} = {got:,}, REFERENCE.md §7 says {'≈' if tol else ''}{want:,}")
+            problems.append(f"{dataset}: {key} = {got:,}, docs/reference.md §7 says {'≈' if tol else ''}{want:,}")
     return problems

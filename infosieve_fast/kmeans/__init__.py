@@ -1,6 +1,6 @@
-"""Semi-supervised k-means (REFERENCE.md §5) at hardware speed.
+"""Semi-supervised k-means (docs/reference.md §5) at hardware speed.
 
-One entry point, :func:`semi_supervised_kmeans`. Semantics follow GCD's ``fit_mix`` (REFERENCE.md §5.1) and, for
+One entry point, :func:`semi_supervised_kmeans`. Semantics follow GCD's ``fit_mix`` (docs/reference.md §5.1) and, for
 ``balance="reference"``, InfoSieve's two-phase variant (§5.2), with the published bugs fixed (see ``docs/kmeans.md``):
 
 * k-means++ starts from the labelled class means; new seeds are drawn from the unlabelled points with probability
@@ -108,7 +108,7 @@ def semi_supervised_kmeans(
     and keeps its points. The clusters without labelled points are seeded by k-means++ in increasing id order;
     ``l_feats`` may have zero rows (plain k-means++ / Lloyd).
 
-    ``balance="capacity"`` (default) with ``balanced=False``: GCD's one-phase SS-k-means (REFERENCE.md §5.1).
+    ``balance="capacity"`` (default) with ``balanced=False``: GCD's one-phase SS-k-means (docs/reference.md §5.1).
     ``balance="reference"``: InfoSieve's two phases (§5.2): Phase A with frozen labelled centres, then Phase B of
     plain iterations from Phase A's state; best inertia over both phases (strict ``<``). With ``balanced=False``
     Phase A has no capacity (the published code with ``cluster_size=None``, Herbarium19's ``--unbalanced``).

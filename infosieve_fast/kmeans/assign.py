@@ -50,8 +50,8 @@ def _assign_capacity(problem: _Problem, centers: torch.Tensor, cap: torch.Tensor
 
 
 def _assign_reference_phase_a(problem: _Problem, centers: torch.Tensor, cap: torch.Tensor | None, n_pass: int):
-    """InfoSieve's Phase A assignment: argmin, then ``n_pass`` balancing passes (REFERENCE.md §5.2), vectorised over
-    points, clusters and restarts.
+    """InfoSieve's Phase A assignment: argmin, then ``n_pass`` balancing passes (docs/reference.md §5.2), vectorised
+    over points, clusters and restarts.
 
     With the stored [R, N, K] distances (small problems) the freed points of every restart take their nearest cluster
     with room (a restart without room keeps its labels): on CUDA without a host sync, by taking the masked argmin of

@@ -1,4 +1,4 @@
-"""k-means++ from the labelled class means, for R restarts at once (REFERENCE.md §5.1, §5.2)."""
+"""k-means++ from the labelled class means, for R restarts at once (docs/reference.md §5.1, §5.2)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _kmeans_pp(problem: _Problem, means: torch.Tensor, uniforms: torch.Tensor, e
     data (one [N, D] x [D, R] GEMM per seed step instead of R GEMVs); each restart is still exactly the sequential
     k-means++ of its own uniforms.
     ``exclude``: after each new seed, drop the ``exclude`` still-available unlabelled points nearest to it from later
-    draws (InfoSieve's intended behaviour, whose published version deletes the wrong rows, REFERENCE.md §5.2).
+    draws (InfoSieve's intended behaviour, whose published version deletes the wrong rows, docs/reference.md §5.2).
     """
     n_restarts, n_labelled, device = uniforms.shape[0], problem.n_labelled, problem.device
     n = problem.unlabelled.shape[0]
