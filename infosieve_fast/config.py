@@ -139,6 +139,7 @@ class IntakeConfig:
     split_seed: int = 0
     index_cache: str = "~/.cache/infosieve/index"  # the saved shard index, when the shards' folder is read-only
     download_cache: str = "~/.cache/infosieve/shards"  # where pipe: and http(s):// shards are fetched to, once
+    sha256: dict | None = None  # remote shard URL -> its SHA-256 (hex): a fetched file that differs is refused, removed
 
 
 @dataclass

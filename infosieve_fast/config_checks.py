@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -159,6 +160,7 @@ def check_rules(cfg: Config) -> None:
             size, crop = d.image_size, cfg.data.crop_size
             raise ConfigError(f"data.digits.image_size ({size}) must be >= data.crop_size ({crop}): raise it")
     if cfg.data.resize is not None and cfg.data.resize < cfg.data.crop_size:
+    _check_pins(cfg.data.intake.sha256)
         size, crop = cfg.data.resize, cfg.data.crop_size
         raise ConfigError(f"data.resize ({size}) must be >= data.crop_size ({crop}): the crops lie inside the image")
     if cfg.train.tensorboard:
@@ -169,6 +171,18 @@ def check_rules(cfg: Config) -> None:
 
 
 def _check_backbone_kwargs(kwargs: dict, crop: int) -> None:
+def _check_pins(pins: dict | None) -> None:
+    """data.intake.sha256: remote shard URLs mapped to 64 hex digits."""
+    for url, digest in (pins or {}).items():
+        if not (isinstance(url, str) and url.startswith(("pipe:", "http://", "https://"))):
+            raise ConfigError(f"data.intake.sha256 maps remote shard URLs (http(s)://, pipe:) to hashes, not {url!r}")
+        if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-fA-F]{64}", digest)):
+            raise ConfigError(
+                f"data.intake.sha256[{url!r}] must be the shard's SHA-256 as 64 hex digits (`sha256sum FILE`), "
+                f"got {digest!r}"
+            )
+
+
     """timm.create_model's extra arguments: named by strings, and a ViT's `img_size` is the training crop (timm's
     ViTs take inputs of exactly that size unless `dynamic_img_size` is set)."""
     names = [name for name in kwargs if not isinstance(name, str)]

@@ -69,18 +69,20 @@ def is_manifest_folder(spec) -> bool:
     return isinstance(spec, (str, Path)) and (Path(spec) / "manifest.json").is_file()
 
 
-def shard_paths(spec: str | Path | list, download_cache: str = DEFAULT_DOWNLOAD_CACHE) -> list[str]:
+def shard_paths(
+    spec: str | Path | list, download_cache: str = DEFAULT_DOWNLOAD_CACHE, pins: dict[str, str] | None = None
+) -> list[str]:
     """The shard files `data.shards` names: a folder (its tars, sorted), a brace pattern, a glob, a file, `pipe:` or
-    `http(s)://` shards (brace patterns too; fetched once into `download_cache`, data/remote.py), or a list of any of
-    these (concatenated in order)."""
+    `http(s)://` shards (brace patterns too; fetched once into `download_cache`, checked against their SHA-256 in
+    `pins`, data/remote.py), or a list of any of these (concatenated in order)."""
     if isinstance(spec, (list, tuple)):
-        paths = [p for item in spec for p in shard_paths(item, download_cache)]
+        paths = [p for item in spec for p in shard_paths(item, download_cache, pins)]
         if not paths:
             raise FileNotFoundError("data.shards is an empty list: name at least one shard")
         return paths
     text = str(spec)
     if is_remote(text):
-        return fetch_all(expand_braces(text), download_cache)
+        return fetch_all(expand_braces(text), download_cache, pins)
     path = Path(text).expanduser()
     if path.is_dir():
         found = sorted(str(p) for p in path.iterdir() if p.name.endswith(SHARD_SUFFIXES) and p.is_file())
@@ -194,7 +196,7 @@ def split_classes(labels: np.ndarray, keys: ForeignKeys, known: list | None) -> 
 
 def open_foreign(spec, opts: IntakeConfig, processes: int | None = None) -> ForeignSet:
     """Index (or reuse the saved index of) the foreign shards `spec` names and compute their GCD split."""
-    urls = shard_paths(spec, opts.download_cache)
+    urls = shard_paths(spec, opts.download_cache, opts.sha256)
     keys = foreign_keys(opts)
     arrays, problems, reused = cached_index(
         urls, {"kind": "foreign", "keys": repr(keys)}, lambda: _build_rows(urls, keys, processes), opts.index_cache
@@ -253,21 +255,34 @@ def index_locations(urls: list[str], settings: dict, cache_dir: str) -> list[Pat
     return [Path(urls[0]).resolve().parent / name, Path(cache_dir).expanduser() / name]
 
 
+def _digest(meta: dict, arrays: dict[str, np.ndarray], problems: list[str]) -> str:
+    """sha256 of an index's contents: a saved index whose arrays were edited after it was written does not match."""
+    h = hashlib.sha256(json.dumps([meta, problems], sort_keys=True).encode("utf-8", "surrogateescape"))
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
 def _load_saved(path: Path, meta: dict) -> tuple[dict[str, np.ndarray], list[str]] | None:
-    """The saved arrays and problems at `path` when they were built from exactly these shard files, else None."""
+    """The saved arrays and problems at `path` when they were built from exactly these shard files and are as they
+    were written, else None (rebuild)."""
     try:
         with np.load(path, allow_pickle=False) as saved:
             if json.loads(str(saved["meta"])) != meta:
                 return None
-            arrays = {k: saved[k] for k in saved.files if k not in ("meta", "problems")}
-            return arrays, [str(p) for p in saved["problems"]]
-    except (OSError, ValueError, KeyError):
+            arrays = {k: saved[k] for k in saved.files if k not in ("meta", "problems", "digest")}
+            problems, digest = [str(p) for p in saved["problems"]], str(saved["digest"])
+    except Exception:  # a cache: anything wrong with the file (a damaged zip raises BadZipFile, NotImplementedError)
         return None
+    return (arrays, problems) if digest == _digest(meta, arrays, problems) else None
 
 
 def _save(path: Path, meta: dict, arrays: dict[str, np.ndarray], problems: list[str]) -> bool:
     """Write the index atomically; False when the folder is not writable."""
     fields = {"meta": np.asarray(json.dumps(meta)), "problems": np.asarray(problems, dtype=str), **arrays}
+    fields["digest"] = np.asarray(_digest(meta, arrays, problems))
     try:
         atomic_write(path, lambda f: np.savez(f, **fields))
         return True

@@ -6,11 +6,15 @@ the shard to stdout (`pipe:aws s3 cp s3://bucket/train-000000.tar -`). Reading t
 its URL, then used like a local shard; a later open finds it there and fetches nothing. A download is written to a
 temporary file and renamed when complete, so an interrupted one leaves nothing behind. Under torchrun the first
 process of each machine fetches while the others wait.
+
+A shard pinned in `data.intake.sha256` (URL -> SHA-256) is hashed after its download and on every later open from the
+cache: a file that differs is removed and refused, naming the URL and both hashes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import subprocess
 import urllib.error
 import urllib.request
@@ -20,10 +24,11 @@ from typing import BinaryIO
 from tqdm import tqdm
 
 from .. import distributed as dist
-from ..checkpoint import atomic_write
+from ..checkpoint import atomic_write, file_sha256
 
 REMOTE_PREFIXES = ("pipe:", "http://", "https://")
 CHUNK = 1 << 20
+TIMEOUT_S = 60  # a server that sends nothing for this long fails the download
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # a folder's compressed shards are listed too, to be reported
 
 
@@ -40,48 +45,86 @@ def cached_path(url: str, cache_dir: str | Path) -> Path:
     return Path(cache_dir).expanduser() / f"{digest}-{(names or ['shard.tar'])[-1]}"
 
 
-def fetch_all(urls: list[str], cache_dir: str | Path) -> list[str]:
-    """The local paths of `urls`, fetching those not in `cache_dir` yet (the first process per machine fetches)."""
+def fetch_all(urls: list[str], cache_dir: str | Path, pins: dict[str, str] | None = None) -> list[str]:
+    """The local paths of `urls`, fetching those not in `cache_dir` yet (the first process per machine fetches);
+    those `pins` names (URL -> SHA-256) are checked (`check_pin`)."""
     local = [cached_path(u, cache_dir) for u in urls]
     if dist.local_rank() == 0:
         missing = [(u, p) for u, p in zip(urls, local, strict=True) if not p.is_file()]
         for i, (url, path) in enumerate(missing):
             fetch(url, path, f"shard {i + 1}/{len(missing)}")
+        for url, path in zip(urls, local, strict=True):
+            if pins and url in pins:
+                check_pin(url, path, pins[url])
     if dist.is_distributed():
         dist.barrier()
     return [str(p) for p in local]
 
 
+def check_pin(url: str, path: Path, expected: str) -> None:
+    """Refuse (and remove) the fetched file of `url` when its SHA-256 is not the pinned `expected` one."""
+    got = file_sha256(path)
+    if got != expected.lower():
+        path.unlink(missing_ok=True)
+        raise ValueError(
+            f"data.shards {url}: its SHA-256 is {got}, data.intake.sha256 pins {expected.lower()}: the file was "
+            "removed; check the URL and the pinned hash"
+        )
+
+
+class _FetchFailed(Exception):
+    """Carries a failed fetch's own error through `atomic_write`, which would report an OSError as a disk write."""
+
+
 def fetch(url: str, path: Path, label: str) -> None:
     """Fetch one shard to `path`, atomically; a clear error names the URL and the fix."""
+    copy = _run_pipe if url.startswith("pipe:") else _download
+
+    def write(out: BinaryIO) -> None:
+        try:
+            copy(url, out, bar)
+        except (ConnectionError, FileNotFoundError) as err:
+            raise _FetchFailed(err) from err
+
     with tqdm(desc=f"fetching {label}", unit="B", unit_scale=True, leave=False, dynamic_ncols=True) as bar:
-        if url.startswith("pipe:"):
-            atomic_write(path, lambda out: _run_pipe(url, out, bar))
-        else:
-            atomic_write(path, lambda out: _download(url, out, bar))
+        try:
+            atomic_write(path, write)
+        except _FetchFailed as failed:
+            raise failed.args[0] from failed.args[0].__cause__
 
 
 def _download(url: str, out: BinaryIO, bar: tqdm) -> None:
     try:
-        with urllib.request.urlopen(url, timeout=60) as response:
-            expected = response.headers.get("Content-Length")
-            bar.total = int(expected) if expected else None
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+            expected = _declared_length(response.headers.get("Content-Length"))
+            bar.total = expected
             received = _copy(response, out, bar)
     except urllib.error.HTTPError as err:
         raise FileNotFoundError(
-            f"data.shards {url}: the server answered HTTP {err.code} ({err.reason}): check the "
+            f"data.shards {url}: the server answered HTTP {err.code} ({_one_line(err.reason)}): check the "
             "URL, or download the shards and set data.shards to their folder"
         ) from err
-    except (urllib.error.URLError, OSError) as err:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as err:  # HTTPException: a garbled answer
         raise ConnectionError(
-            f"data.shards {url}: the download failed ({err}): check the URL and the network, or "
+            f"data.shards {url}: the download failed ({_one_line(err)}): check the URL and the network, or "
             "download the shards and set data.shards to their folder"
         ) from err
-    if expected is not None and received != int(expected):
+    if expected is not None and received != expected:
         raise ConnectionError(
-            f"data.shards {url}: the download stopped after {received:,} of {int(expected):,} "
+            f"data.shards {url}: the download stopped after {received:,} of {expected:,} "
             "bytes: run again to fetch it again"
         )
+
+
+def _one_line(err) -> str:
+    """An error's text on one line (a redirect loop's or a garbled answer's text spans several)."""
+    return " ".join(str(err).split())
+
+
+def _declared_length(header: str | None) -> int | None:
+    """The Content-Length a server declared; None when it declared none, or no valid one (as http.client reads it)."""
+    text = (header or "").strip()
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def _run_pipe(url: str, out: BinaryIO, bar: tqdm) -> None:

@@ -33,6 +33,8 @@ def _octal(field: bytes) -> int:
     if field[:1] and field[0] & 0x80:
         raise tarfile.ReadError("base-256 numeric header fields are not supported")
     text = field.split(b"\0", 1)[0].strip()
+    if text and not text.isdigit():  # int() would also take a sign: a negative size would walk backwards forever
+        raise tarfile.ReadError(f"invalid number {text[:12]!r} in a header: damaged archive")
     try:
         return int(text, 8) if text else 0
     except ValueError:
@@ -40,13 +42,19 @@ def _octal(field: bytes) -> int:
 
 
 def _pax_records(data: bytes) -> dict[str, str]:
+    """The records of a pax header ("LENGTH key=value\n" each); `tarfile.ReadError` when one is malformed."""
     out, pos = {}, 0
-    while pos < len(data):
-        space = data.index(b" ", pos)
-        length = int(data[pos:space])
-        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
-        out[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
-        pos += length
+    try:
+        while pos < len(data) and data[pos:].strip(b"\0"):
+            space = data.index(b" ", pos)
+            length = int(data[pos:space])
+            if length <= space - pos:  # a record must reach past its own length field, or the walk never ends
+                raise ValueError(f"record length {length}")
+            key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+            out[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
+            pos += length
+    except ValueError as exn:
+        raise tarfile.ReadError(f"malformed pax header ({exn}): damaged archive") from None
     return out
 
 
@@ -95,19 +103,26 @@ def _member_spans(mm: mmap.mmap) -> Iterator[tuple[str, int, int]]:
         raise tarfile.ReadError(f"{size - pos} stray bytes at the end: truncated")
 
 
-def sample_spans(mm: mmap.mmap) -> Iterator[tuple[str, dict[str, tuple[int, int]]]]:
-    """(key, {extension: (offset, length)}) per sample, grouped as webdataset groups members."""
+def sample_spans(mm: mmap.mmap, flush_at_damage: bool = False) -> Iterator[tuple[str, dict[str, tuple[int, int]]]]:
+    """(key, {extension: (offset, length)}) per sample, grouped as webdataset groups members. At damage, with
+    `flush_at_damage`, the sample read so far (its whole members: it may lack those after the damage) comes first,
+    then the `tarfile.ReadError`."""
     key, parts = None, {}
-    for name, start, n in _member_spans(mm):
-        m = _KEY_EXT.match(name)
-        if m is None:
-            continue
-        k, ext = m.group(1), m.group(2).lower()
-        if key is None or key != k or ext in parts:
-            if key is not None:
-                yield key, parts
-            key, parts = k, {}
-        parts[ext] = (start, n)
+    try:
+        for name, start, n in _member_spans(mm):
+            m = _KEY_EXT.match(name)
+            if m is None:
+                continue
+            k, ext = m.group(1), m.group(2).lower()
+            if key is None or key != k or ext in parts:
+                if key is not None:
+                    yield key, parts
+                key, parts = k, {}
+            parts[ext] = (start, n)
+    except tarfile.ReadError:
+        if key is not None and flush_at_damage:
+            yield key, parts
+        raise
     if key is not None:
         yield key, parts
 
@@ -138,7 +153,7 @@ def image_members(path: str, image_keys: tuple[str, ...]) -> tuple[list[tuple[st
     of samples with none of them). A compressed or damaged shard raises `tarfile.ReadError` with what to do."""
     mm = open_mmap(path)
     try:
-        kind = compression(mm[:8])
+        kind = compression(mm[:512])
         if kind is not None:
             raise tarfile.ReadError(compressed_shard_problem(path, kind))
         found, without = [], 0
@@ -167,9 +182,13 @@ def image_hw(buf, start: int = 0, end: int | None = None) -> tuple[int, int]:
     end = len(buf) if end is None else end
     head = buf[start : min(end, start + 32)]
     if head[:8] == PNG_MAGIC:
+        if len(head) < 24:
+            raise ValueError(f"PNG cut short in its header ({len(head)} bytes)")
         w, h = struct.unpack(">II", head[16:24])
         return h, w
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        if len(head) < 30:
+            raise ValueError(f"WebP cut short in its header ({len(head)} bytes)")
         return _webp_hw(head)
     if head[:2] != b"\xff\xd8":
         raise ValueError("neither a JPEG, a PNG nor a WebP")
@@ -213,8 +232,15 @@ COMPRESSED_MAGIC = {
 
 
 def compression(head: bytes) -> tuple[str, str] | None:
-    """(compression, the command that undoes it) when `head` starts a compressed file, else None."""
-    return next((v for magic, v in COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
+    """(compression, the command that undoes it) when `head` (the file's first 512 bytes) starts a compressed file,
+    else None. A valid tar header is a tar whatever its first bytes: a member's name may start like a magic number."""
+    kind = next((v for magic, v in COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
+    if kind is None or len(head) < 512:
+        return kind
+    try:
+        return None if _octal(head[148:156]) == sum(head[:512]) - sum(head[148:156]) + 256 else kind
+    except tarfile.ReadError:
+        return kind
 
 
 def compressed_shard_problem(path: str, kind: tuple[str, str]) -> str:
@@ -296,13 +322,13 @@ def index_shard(path: str, keys: SampleKeys = SampleKeys()) -> tuple[np.ndarray,
         mm = open_mmap(path)
     except (OSError, tarfile.ReadError) as exn:
         return np.zeros((0, width), np.int64), [f"{path}: {type(exn).__name__}: {exn}"]
-    kind = compression(mm[:8])
+    kind = compression(mm[:512])
     if kind is not None:
         mm.close()
         return np.zeros((0, width), np.int64), [compressed_shard_problem(path, kind)]
     problems, missing, unreadable = [], Counter(), []
     try:
-        for key, parts in sample_spans(mm):
+        for key, parts in sample_spans(mm, flush_at_damage=True):  # a sample cut short lacks keys: counted below
             lacks = keys.missing(parts)
             if lacks:
                 missing.update(lacks)
@@ -311,7 +337,7 @@ def index_shard(path: str, keys: SampleKeys = SampleKeys()) -> tuple[np.ndarray,
             try:
                 rows.append((a, n, *image_hw(mm, a, a + n), *keys.read(mm, parts)))
             except ValueError as exn:
-                unreadable.append(f"{key}: {exn}")
+                unreadable.append(f"{key if key.isprintable() else repr(key)}: {exn}")  # a name may hold a newline
     except tarfile.ReadError as exn:
         problems.append(f"{path}: {exn}; the samples after the damage are unreadable")
     finally:
