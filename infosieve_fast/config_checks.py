@@ -159,8 +159,8 @@ def check_rules(cfg: Config) -> None:
         if d.image_size < cfg.data.crop_size:
             size, crop = d.image_size, cfg.data.crop_size
             raise ConfigError(f"data.digits.image_size ({size}) must be >= data.crop_size ({crop}): raise it")
-    if cfg.data.resize is not None and cfg.data.resize < cfg.data.crop_size:
     _check_pins(cfg.data.intake.sha256)
+    if cfg.data.resize is not None and cfg.data.resize < cfg.data.crop_size:
         size, crop = cfg.data.resize, cfg.data.crop_size
         raise ConfigError(f"data.resize ({size}) must be >= data.crop_size ({crop}): the crops lie inside the image")
     if cfg.train.tensorboard:
@@ -170,7 +170,6 @@ def check_rules(cfg: Config) -> None:
             raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
 
 
-def _check_backbone_kwargs(kwargs: dict, crop: int) -> None:
 def _check_pins(pins: dict | None) -> None:
     """data.intake.sha256: remote shard URLs mapped to 64 hex digits."""
     for url, digest in (pins or {}).items():
@@ -183,6 +182,7 @@ def _check_pins(pins: dict | None) -> None:
             )
 
 
+def _check_backbone_kwargs(kwargs: dict, crop: int) -> None:
     """timm.create_model's extra arguments: named by strings, and a ViT's `img_size` is the training crop (timm's
     ViTs take inputs of exactly that size unless `dynamic_img_size` is set)."""
     names = [name for name in kwargs if not isinstance(name, str)]
