@@ -99,8 +99,8 @@ class HiddenLabels:
     def feature_batches(self, batch_size: int) -> Iterator:
         return self._hide(self._source.feature_batches(batch_size))
 
-    def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator:
-        return self._hide(self._source.train_batches(batch_size, epoch, seed))
+    def train_batches(self, batch_size: int, epoch: int, seed: int, skip: int = 0) -> Iterator:
+        return self._hide(self._source.train_batches(batch_size, epoch, seed, skip))
 
 
 @contextlib.contextmanager
@@ -212,7 +212,8 @@ class BestCheckpoint:
 
     def holds(self, state: dict) -> bool:
         """Whether the checkpoint `state` (epochs trained: `state["epoch"]`) is the best so far."""
-        return self.enabled and self.best is not None and self.best["epoch"] == state["epoch"]
+        mid_epoch = state.get("mid_epoch") is not None  # a preempted epoch's weights: not the epoch's end
+        return self.enabled and self.best is not None and self.best["epoch"] == state["epoch"] and not mid_epoch
 
     def restore_files(self, run_dir: Path, state: dict) -> None:
         """On resume (rank 0): when the checkpoint is the best itself and best.json does not say so (a kill between

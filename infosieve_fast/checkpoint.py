@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 CHECKPOINT = "checkpoint.pt"
+EPOCH_COPY = "checkpoint-epoch-{epoch}.pt"  # `checkpoint.keep_last`'s copies
 
 
 def file_sha256(path: str | Path) -> str:
@@ -35,26 +36,61 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+class DiskWriteError(OSError):
+    """A run-folder write the file system refused (a full disk, an I/O error, a read-only folder). The message names
+    the file and the error in one line; the file's previous version (or the log's earlier lines) is intact."""
+
+    @classmethod
+    def naming(cls, path: Path, err: OSError, kept: str) -> DiskWriteError:
+        error = cls(f"cannot write {path}: {err.strerror or err} (errno {err.errno}); {kept}")
+        error.errno = err.errno
+        return error
+
+
 def atomic_write(path: Path, write) -> None:
-    """Write `path` through `write(binary file)` into a temporary file, fsynced, then renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write `path` through `write(binary file)` into a temporary file, fsynced, then renamed over it. A refused write
+    raises `DiskWriteError`."""
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and not isinstance(err, DiskWriteError):
+            kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
+            raise DiskWriteError.naming(path, err, kept) from err
         raise
 
 
-def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> Path:
+def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep_last: int | None = None) -> Path:
+    """RUN/checkpoint.pt; with `keep_last`, an end-of-epoch state is also kept by `keep_epoch_copy`."""
     wait_for_checkpoint()
     path = Path(run_dir) / CHECKPOINT
     atomic_write(path, lambda f: torch.save(state, f))
+    if keep_last is not None and state.get("mid_epoch") is None:
+        keep_epoch_copy(path, state["epoch"], keep_last)
     return path
+
+
+def keep_epoch_copy(path: Path, epoch: int, keep_last: int) -> None:
+    """RUN/checkpoint-epoch-E.pt for the checkpoint `path` of E epochs trained: a hard link to its file (the next
+    checkpoint is renamed over checkpoint.pt, so the link keeps this one; a copy where links are refused), then the
+    copies older than the last `keep_last` removed."""
+    copy = path.with_name(EPOCH_COPY.format(epoch=epoch))
+    copy.unlink(missing_ok=True)  # a resumed run writes its epoch again
+    try:
+        os.link(path, copy)
+    except OSError:  # a file system without hard links
+        atomic_write(copy, lambda f: f.write(path.read_bytes()))
+    kept = sorted(path.parent.glob(EPOCH_COPY.format(epoch="*")), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    for old in kept[:-keep_last]:
+        old.unlink(missing_ok=True)
 
 
 class _BackgroundWrite:
@@ -79,7 +115,7 @@ def host_copy(obj: Any) -> Any:
     return obj  # numbers, strings, bytes, None: immutable
 
 
-def save_checkpoint_in_background(run_dir: str | Path, state: dict[str, Any]) -> None:
+def save_checkpoint_in_background(run_dir: str | Path, state: dict[str, Any], keep_last: int | None = None) -> None:
     """`save_checkpoint` of a host snapshot of `state` in a writer thread. Waits for (and raises the error of) the
     previous background write first, so that checkpoints reach the disk in order."""
     wait_for_checkpoint()
@@ -87,7 +123,7 @@ def save_checkpoint_in_background(run_dir: str | Path, state: dict[str, Any]) ->
 
     def write() -> None:
         try:
-            save_checkpoint(run_dir, snapshot)
+            save_checkpoint(run_dir, snapshot, keep_last)
         except BaseException as err:  # raised in the training thread at its next wait
             _BackgroundWrite.error = err
 
@@ -104,6 +140,8 @@ def wait_for_checkpoint() -> None:
         thread.join()
         _BackgroundWrite.thread = None
     error, _BackgroundWrite.error = _BackgroundWrite.error, None
+    if isinstance(error, DiskWriteError):
+        raise DiskWriteError(f"the background checkpoint write failed: {error}") from error
     if error is not None:
         raise RuntimeError(f"the background checkpoint write failed ({type(error).__name__}: {error})") from error
 
@@ -162,10 +200,15 @@ def rewrite_log(path: str | Path, records: list[dict]) -> None:
 
 
 def append_log(path: str | Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """One line appended to `path` (log.jsonl), fsynced. A refused write raises `DiskWriteError`; it can leave a torn
+    last line, which `read_log` drops."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise DiskWriteError.naming(Path(path), err, "its earlier lines are intact") from err
 
 
 def read_log(path: str | Path) -> list[dict]:

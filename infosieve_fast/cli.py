@@ -8,7 +8,12 @@ import time
 from pathlib import Path
 
 from . import config as config_mod
+from . import distributed
+from .checkpoint import DiskWriteError
 from .data import shards
+from .preemption import PREEMPTED_EXIT, Preempted
+
+AUTO = "auto"  # `--resume auto`: what a relaunched command line (torchrun --max-restarts, a requeued job) passes
 
 
 class UsageError(ValueError):
@@ -21,7 +26,7 @@ def _train(args: argparse.Namespace) -> int:
     overrides = list(args.set)
     if args.data_shards:
         overrides.append(f"data.shards={args.data_shards}")
-    if args.resume:
+    if args.resume and args.resume != AUTO:
         if args.config or args.out:
             raise UsageError("--resume RUN_DIR continues a run with its own config.yaml: drop --config/--out")
         run_dir = Path(args.resume)
@@ -41,7 +46,6 @@ def _train(args: argparse.Namespace) -> int:
     from .trainer_setup import resolve_device
 
     resolve_device(cfg.train.device)  # a device this machine lacks is refused before anything else
-    from . import distributed
     from .trainer_setup import wants_cuda
 
     with distributed.process_group_from_env(wants_cuda(cfg.train.device)):  # torchrun: every rank, one run folder
@@ -53,10 +57,41 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume_automatically(cfg: config_mod.Config, args: argparse.Namespace, run_dir: Path) -> bool:
+    """`--resume auto`: whether `run_dir` holds a checkpoint of this very config (then the run goes on, as a launch
+    restarted by torchrun or requeued by a scheduler wants); False for a folder without one (a fresh start). A
+    checkpoint of another config is an error. Rank 0 decides for every rank (a new run writes the folder)."""
+    if not args.out:
+        raise UsageError("--resume auto needs --out RUN_DIR: the folder a restarted launch finds its run in")
+    answer: tuple[bool, str | None] = (False, None)
+    if distributed.is_main_process() and (run_dir / "checkpoint.pt").is_file():
+        saved = config_mod.load_config(run_dir / "config.yaml", saved=True)
+        drift = config_mod.config_drift(saved.to_dict(), cfg.to_dict())
+        listed = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in drift.items())
+        problem = f"--resume auto: {run_dir} holds a run of another config ({listed}); choose another --out, or " \
+            f"continue that run with `infosieve train --resume {run_dir}`"  # fmt: skip
+        answer = (not drift, problem if drift else None)
+    resume, problem = distributed.broadcast_object(answer)
+    if problem:
+        raise config_mod.ConfigError(problem)
+    return resume
+
+
 def _interruptible(run, run_dir: Path) -> None:
     """Ctrl-C ends a training with the way back in, not a traceback."""
     try:
         run()
+    except Preempted as stopped:  # SIGTERM or SIGUSR1: the checkpoint is written, the way back named
+        if distributed.is_main_process():
+            print(f"preempted: {stopped}", file=sys.stderr)
+        raise SystemExit(PREEMPTED_EXIT) from None
+    except DiskWriteError as err:  # the last durable checkpoint and log stay readable: say so, no traceback
+        print(
+            f"error: {err}. Free space (or make the folder writable), then continue with "
+            f"`infosieve train --resume {run_dir}`",
+            file=sys.stderr,
+        )
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         print(
             f"\ninterrupted: the last finished epoch's checkpoint is in {run_dir}; continue with "
@@ -194,7 +229,10 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data.shards", dest="data_shards", help="shard folder (same as --set data.shards=DIR)")
     p.add_argument("--out", help="run folder (default runs/<config>-<timestamp>)")
     p.add_argument(
-        "--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint (from scratch if it has none yet)"
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its last checkpoint (from scratch if it has none yet); `--resume auto` with --config "
+        "and --out: continue the run in --out when it holds one of the same config, else start it",
     )
 
 
@@ -310,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (config_mod.ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
+    except (config_mod.ConfigError, FileNotFoundError, FileExistsError, ValueError, DiskWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

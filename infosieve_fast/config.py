@@ -217,11 +217,13 @@ class CheckpointConfig:
     published behaviour) | "labelled_holdout": also keep the epoch whose k-means clusters best match held-out labelled
     images of the known classes (GCD's criterion for K); `holdout_fraction` of the labelled images, chosen with
     `holdout_seed`, then never take part in the supervised losses | "kmeans_objective": the epoch with the lowest
-    k-means inertia of the features. Neither reads a label of an unlabelled image."""
+    k-means inertia of the features. Neither reads a label of an unlabelled image. `keep_last`: null (the default)
+    keeps no other; N also keeps RUN/checkpoint-epoch-E.pt of the last N epochs (E: epochs trained)."""
 
     best: str = "none"
     holdout_fraction: float = 0.1
     holdout_seed: int = 0
+    keep_last: int | None = None
 
 
 @dataclass

@@ -122,6 +122,7 @@ RANGES = {
     "train.eval_every": Range(0),
     "checkpoint.holdout_fraction": Range(0.0, 1.0, open_low=True, open_high=True),
     "checkpoint.holdout_seed": Range(0),
+    "checkpoint.keep_last": Range(1, null="only the last checkpoint (and the best one)"),
 }
 
 

@@ -110,6 +110,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` with one process)."""
+    if get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
     """Overwrite every buffer of ``module`` with rank ``src``'s (e.g. BatchNorm running statistics, which DDP only
     broadcasts at the start of a training forward, so each rank's last forward leaves its own)."""

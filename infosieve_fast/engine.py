@@ -33,6 +33,7 @@ from .loss import InfoSieveLoss, check_labelled_targets
 from .loss_monitor import LossMonitor
 from .metrics import evaluate_split
 from .model import Backbone, PrefixTokens
+from .preemption import MidEpoch, StoppedMidEpoch, StopSignals, gather_rank_states
 from .schedule import epoch_schedule
 from .step_graph import GraphedStep, StepInputs, StepOutputs
 from .token_cache import TokenCache
@@ -117,6 +118,8 @@ class Trainer:
         # the latest SS-k-means centres [K, D] (CPU): the epoch's pseudo-label round, then the final evaluation's
         self.centers: Tensor | None = None
         self.n_clusters: int | None = None  # K, resolved by `clusters` on the first round (kept in checkpoints)
+        self.stop: StopSignals | None = None  # asked before every step (run_folder.train sets it)
+        self.mid_epoch: MidEpoch | None = None  # a preempted epoch to finish (`load_state_dict`)
         if dist.get_world_size() > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
@@ -335,17 +338,18 @@ class Trainer:
 
         name = f"epoch {epoch + 1}/{cfg.schedule.epochs}"
         compile_record = self.compile_once()
-        status = status_line(f"{name}: feature pass ({self.source.n_train} samples)")
-        fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
-        check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
-        features_done = time.perf_counter()  # the checks above read the device: the feature pass has finished
-        status.set_description_str(f"{name}: SS-k-means pseudo-labels")
-        clustering = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
-        pseudo, self.centers = clustering.labels, clustering.centers.cpu()
-        kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
-        status.close()
+        resumed, self.mid_epoch = self.mid_epoch, None
+        if resumed is None:
+            pseudo, inertia, features_done, kmeans_done = self._pseudo_labels(name, epoch)
+        else:  # finishing a preempted epoch: its pseudo-labels (and centres) are the checkpoint's
+            self.unreadable = list(resumed.unreadable)
+            self.source.exclude(self.unreadable)
+            pseudo, inertia = resumed.pseudo.to(self.device), resumed.inertia
+            features_done = kmeans_done = time.perf_counter()
 
-        monitor = self._run_steps(name, epoch, pseudo)
+        monitor = self._run_steps(name, epoch, pseudo, resumed)
+        if monitor.stopped is not None:
+            raise StoppedMidEpoch(MidEpoch(epoch, monitor.steps, pseudo, inertia, self.unreadable, monitor.stopped))
         record = {
             "epoch": epoch,
             "lr": sched.lr,
@@ -358,7 +362,7 @@ class Trainer:
         end = time.perf_counter()  # monitor.check() read the device: the steps have finished
         record.update(
             {
-                "kmeans_inertia": clustering.inertia,
+                "kmeans_inertia": inertia,
                 "seconds": end - start,
                 "seconds_features": features_done - start,
                 "seconds_kmeans": kmeans_done - features_done,
@@ -371,15 +375,38 @@ class Trainer:
         )
         return record
 
-    def _run_steps(self, name: str, epoch: int, pseudo: Tensor) -> LossMonitor:
-        """The epoch's training steps on its pseudo-labels, under a progress bar; returns their checked losses."""
+    def _pseudo_labels(self, name: str, epoch: int) -> tuple[Tensor, float, float, float]:
+        """The epoch's feature pass and SS-k-means round: the pseudo-label table, the inertia, and the times each
+        finished; the round's centres become `self.centers`."""
+        cfg = self.cfg
+        status = status_line(f"{name}: feature pass ({self.source.n_train} samples)")
+        fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
+        check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
+        features_done = time.perf_counter()  # the checks above read the device: the feature pass has finished
+        status.set_description_str(f"{name}: SS-k-means pseudo-labels")
+        clustering = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
+        self.centers = clustering.centers.cpu()
+        kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
+        status.close()
+        return clustering.labels, clustering.inertia, features_done, kmeans_done
+
+    def _run_steps(self, name: str, epoch: int, pseudo: Tensor, resumed: MidEpoch | None) -> LossMonitor:
+        """The epoch's training steps on its pseudo-labels (after `resumed`'s, when it finishes a preempted epoch),
+        under a progress bar; returns their checked losses. When the ranks agree to stop (`self.stop`) before a step,
+        it returns at once with every rank's generators and loss sums in the monitor's `stopped`."""
         cfg = self.cfg
         gen = self._generator(rank_seed(epoch_seed(cfg.train.seed, epoch, 3)))
         monitor = LossMonitor(epoch)
-        batches = self.source.train_batches(cfg.data.batch_size, epoch, cfg.train.seed)
+        if resumed is not None:
+            mine = resumed.rank_state()
+            gen.set_state(mine["augment"])
+            monitor.resume(resumed.step, mine, self.device)
+            ckpt.restore_rng_state(mine["torch_rng"])
+        batches = self.source.train_batches(cfg.data.batch_size, epoch, cfg.train.seed, skip=monitor.steps)
         bar = tqdm(
             batches,
             desc=name,
+            initial=monitor.steps,
             total=self.steps_per_epoch(),
             unit="step",
             leave=False,
@@ -389,6 +416,10 @@ class Trainer:
         for batch in bar:
             if cfg.train.max_steps_per_epoch is not None and monitor.steps >= cfg.train.max_steps_per_epoch:
                 break
+            if self.stop is not None and self.stop.requested():
+                monitor.stopped = gather_rank_states(gen, monitor.state())
+                bar.close()
+                return monitor
             self.train_step(batch, pseudo, gen, monitor)
             if monitor.steps % cfg.train.check_every == 0:
                 bar.set_postfix(loss=f"{monitor.check():.3f}")
@@ -493,10 +524,13 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue training from a checkpoint: `load_model_state`, then the optimizer state and the RNG."""
+        """Continue training from a checkpoint: `load_model_state`, then the optimizer state and the RNG (and, from a
+        preempted epoch's checkpoint, where that epoch stopped: `train_epoch` finishes it)."""
         self.load_model_state(state)
         load_optimizer_state(self.optimizer, state["optimizer"])
         ckpt.restore_rng_state(state["torch_rng"])
+        if state.get("mid_epoch") is not None:
+            self.mid_epoch = MidEpoch.from_state(state["mid_epoch"])
 
     def load_model_state(self, state: dict) -> None:
         """A checkpoint's weights, k-means centres and K: what evaluating or reading a finished run needs."""

@@ -28,6 +28,7 @@ class LossMonitor:
         self._sums: Tensor | None = None
         self._window: list[Tensor] = []  # each unchecked step's terms
         self._last = float("nan")
+        self.stopped: list[dict] | None = None  # every rank's `preemption.gather_rank_states`, set by a stop
 
     def record(self, parts: dict[str, Tensor]) -> None:
         values = torch.stack([v.float() for v in parts.values()])
@@ -36,6 +37,18 @@ class LossMonitor:
         self._sums += values
         self._window.append(values)
         self.steps += 1
+
+    def state(self) -> dict:
+        """The running sums (checked first: `check`), for an epoch stopped mid-way (`preemption.MidEpoch`)."""
+        self.check()
+        sums = None if self._sums is None else self._sums.detach().cpu()
+        return {"loss_names": list(self.names), "loss_sums": sums}
+
+    def resume(self, steps: int, state: dict, device: torch.device) -> None:
+        """Go on after `steps` steps with `state`'s sums (onto `device`), as the stopped epoch's monitor would have."""
+        self.steps, self.names = steps, list(state["loss_names"])
+        sums = state["loss_sums"]
+        self._sums = None if sums is None else sums.to(device)
 
     def check(self) -> float:
         if not self._window:  # every rank ran the same steps, so every rank returns here together

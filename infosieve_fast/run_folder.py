@@ -32,6 +32,7 @@ from .config import Config, ConfigError, config_drift, from_saved, save_config
 from .data.base import GCDSource
 from .engine import Evaluation, Trainer, status_line
 from .model import Backbone
+from .preemption import MidEpoch, Preempted, StoppedMidEpoch, StopSignals
 from .trainer_setup import resolve_device, wants_cuda
 from .tree import build_tree, code_strings
 
@@ -60,9 +61,11 @@ def train(
     before its first epoch ended) starts again from scratch, resumed or not.
     Launched by torchrun (env WORLD_SIZE > 1) it starts the process group itself unless one exists; with a group,
     every rank calls this with the same arguments (all ranks read the checkpoint to resume; rank 0 writes the folder).
+    SIGTERM or SIGUSR1 stops the run at its next step or epoch boundary with a checkpoint, and raises `Preempted`
+    (preemption.py).
     """
-    with dist.process_group_from_env(wants_cuda(cfg.train.device)):
-        return _train(cfg, Path(run_dir), resume, source, backbone, stop_after, list(overrides))
+    with dist.process_group_from_env(wants_cuda(cfg.train.device)), StopSignals() as stop:
+        return _train(cfg, Path(run_dir), resume, source, backbone, stop_after, list(overrides), stop)
 
 
 def _train(
@@ -73,6 +76,7 @@ def _train(
     backbone: Backbone | None,
     stop_after: Callable[[int], bool] | None,
     overrides: list[str],
+    stop: StopSignals,
 ) -> dict | None:
     started = time.perf_counter()
     device = resolve_device(cfg.train.device)  # a device this machine lacks is refused before any work
@@ -84,6 +88,7 @@ def _train(
     else:
         prepare_new_folder(run_dir, device)
     trainer = Trainer(cfg, source, backbone, pretrained=state is None)
+    trainer.stop = stop
     if state is not None:
         trainer.load_state_dict(state)
         start, before = state["epoch"], state["before"]
@@ -234,18 +239,49 @@ def train_epochs(
     best: BestCheckpoint,
 ) -> bool:
     """The epochs from `start` on, each logged, checkpointed and judged by `best`; False when `stop_after` ended the run
-    early. However they end, the last checkpoint is durable when this returns (or raises)."""
+    early; `Preempted` when a stop signal did (mid-epoch or after an epoch). However they end, the last checkpoint is
+    durable when this returns (or raises)."""
     board = tensorboard_writer(run_dir, start) if trainer.cfg.train.tensorboard and dist.is_main_process() else None
     try:
         for epoch in range(start, trainer.cfg.schedule.epochs):
-            train_and_record_epoch(trainer, run_dir, epoch, before, best, board)
+            try:
+                train_and_record_epoch(trainer, run_dir, epoch, before, best, board)
+            except StoppedMidEpoch as stopped:
+                save_mid_epoch(trainer, run_dir, before, best, stopped.mid_epoch)
+                raise preempted(trainer, run_dir, epoch, stopped.mid_epoch.step) from None
             if stop_after is not None and stop_after(epoch):
                 ckpt.wait_for_checkpoint()
                 dist.barrier()  # a rank that goes on to resume must find the checkpoint rank 0 was still writing
                 return False
+            if trainer.stop is not None and trainer.stop.requested():
+                raise preempted(trainer, run_dir, epoch + 1, 0)
         return True
     finally:
         ckpt.wait_for_checkpoint()
+
+
+def save_mid_epoch(trainer: Trainer, run_dir: Path, before: dict, best: BestCheckpoint, mid: MidEpoch) -> None:
+    """Rank 0 writes the checkpoint of a stopped epoch: the weights and optimizer after `mid.step` steps, and `mid`."""
+    if dist.is_main_process():
+        state = best.stamp(trainer.state_dict(mid.epoch, before))
+        state["mid_epoch"] = mid.to_state()
+        ckpt.save_checkpoint(run_dir, state)
+
+
+def preempted(trainer: Trainer, run_dir: Path, epoch: int, step: int) -> Preempted:
+    """Once the checkpoint that resumes at `epoch`, `step` is durable: rank 0 appends log.jsonl's `preempted` record
+    (a resume drops it with the epoch's other lines); the error every rank raises, which says where the run stopped."""
+    ckpt.wait_for_checkpoint()
+    signal_name, epochs = trainer.stop.received, trainer.cfg.schedule.epochs
+    if dist.is_main_process():
+        at = {"signal": signal_name, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        ckpt.append_log(run_dir / LOG, {"epoch": epoch, "preempted": at})
+    dist.barrier()
+    where = f"epoch {epoch + 1}/{epochs} at step {step}" if step else f"the start of epoch {epoch + 1}/{epochs}"
+    return Preempted(
+        f"{signal_name}: stopped at {where}; the checkpoint is in {run_dir / ckpt.CHECKPOINT}, continue with "
+        f"`infosieve train --resume {run_dir}`"
+    )
 
 
 def train_and_record_epoch(
@@ -308,7 +344,7 @@ def write_epoch(run_dir: Path, trainer: Trainer, record: dict, before: dict, bes
     ckpt.append_log(run_dir / LOG, record)
     save = ckpt.save_checkpoint_in_background if trainer.cfg.train.background_checkpoint else ckpt.save_checkpoint
     state = best.stamp(trainer.state_dict(record["epoch"] + 1, before))
-    save(run_dir, state)
+    save(run_dir, state, trainer.cfg.checkpoint.keep_last)
     if best.holds(state):
         write_best(run_dir, state)
 

@@ -1,6 +1,6 @@
 """Kill a short demo training with SIGKILL at seeded random moments, resume it each time, and run it once untouched.
 
-    python tests/fault_injection_driver.py WORKDIR SEED KILLS   (from the repository root)
+    python tests/fault_injection_driver.py WORKDIR SEED KILLS [signals]   (from the repository root)
 
 Used by tests/test_fault_injection.py, which compares WORKDIR/killed with WORKDIR/reference. No test hook lives in the
 package: the driver imports it once (and never computes with torch itself), then runs every attempt in a forked child,
@@ -19,6 +19,14 @@ the first time, `--resume` after). The moments:
 
 The first four attempts take the first four kinds in a seeded order, each at a moment during the epochs (so that every
 kind finds training left to interrupt); the rest draw any kind and any call. WORKDIR/attempts.json lists them.
+
+With `signals`, a smaller run (2 epochs of 4 steps) is stopped by signals instead: SIGTERM and SIGUSR1 (in a seeded
+order) each at a random step that leaves the run mid-epoch, then SIGTERM in a random k-means round, then any:
+- sigterm, sigusr1: the signal, sent by the process to itself right after a training step's update (the run stops
+  before the next step, mid-epoch, or after the epoch when it was the epoch's last step);
+- sigterm-kmeans: SIGTERM inside an SS-k-means round of an epoch (or of the evaluation before training): the round
+  and the pass finish and the run stops before the epoch's first step.
+Each such attempt must exit with the preempted status (`preemption.PREEMPTED_EXIT`), having logged the stop.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from pathlib import Path
 
 REQUIRED = ["mid-step", "mid-checkpoint-write", "mid-log-append", "kmeans"]
 OTHERS = ["feature-pass", "after-log", "after-checkpoint", "mid-metrics-write"]
+SIGNAL_KINDS = ["sigterm", "sigusr1", "sigterm-kmeans"]
 EPOCHS, STEPS = 3, 3  # the run below: 192 samples in batches of 64
+SMALL = ["train.train_subset=64", "data.batch_size=16"]  # the signal runs: 2 epochs of 4 steps (set by `main`)
 OVERRIDES = [
     f"schedule.epochs={EPOCHS}",
     "train.train_subset=192",
@@ -48,6 +58,16 @@ OVERRIDES = [
 
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_calls(kind: str, position: dict | None) -> int:
+    """How many training steps (sigterm, sigusr1) or per-epoch and before-training k-means rounds (sigterm-kmeans) an
+    attempt starting from checkpoint `position` ({"epoch", "step", "mid_epoch"}; None: no checkpoint) runs."""
+    at = position or {"epoch": 0, "step": 0, "mid_epoch": False}
+    epoch, step, mid = at["epoch"], at["step"], at["mid_epoch"]
+    if kind in ("sigterm", "sigusr1"):
+        return STEPS * (EPOCHS - epoch) - step
+    return EPOCHS - epoch - mid + (position is None)  # a mid-epoch resume skips its epoch's round
 
 
 def calls(kind: str, epoch: int | None, during_training: bool) -> int:
@@ -81,7 +101,32 @@ def patch(kind: str, n: int) -> None:
         count[0] += 1
         return count[0] == n
 
-    if kind == "mid-step":
+    if kind in ("sigterm", "sigusr1"):
+        record, sig = loss_monitor.LossMonitor.record, signal.SIGTERM if kind == "sigterm" else signal.SIGUSR1
+
+        def signalling(self, parts):
+            record(self, parts)
+            if hit():
+                os.kill(os.getpid(), sig)
+
+        loss_monitor.LossMonitor.record = signalling
+    elif kind == "sigterm-kmeans":
+        update = kmeans_restarts._update_centers
+        rounds, signalled = engine.semi_supervised_kmeans, [False]
+
+        def round_(*args, **kwargs):
+            if len(args) > 1 and args[1] is not None and hit():  # a round with labelled samples: an epoch's or before
+                signalled[0] = True
+            return rounds(*args, **kwargs)
+
+        def updating(*args, **kwargs):
+            if signalled[0]:
+                signalled[0] = False
+                os.kill(os.getpid(), signal.SIGTERM)
+            return update(*args, **kwargs)
+
+        engine.semi_supervised_kmeans, kmeans_restarts._update_centers = round_, updating
+    elif kind == "mid-step":
         record = loss_monitor.LossMonitor.record
 
         def recording(self, parts):
@@ -178,6 +223,8 @@ def fork(target, log: Path) -> int:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             code = target()
+        except SystemExit as stop:  # the command line's exit with a status (a preempted run's)
+            code = stop.code if isinstance(stop.code, int) else 1
         except BaseException:
             import traceback
 
@@ -204,22 +251,83 @@ def checkpoint_epoch(run: Path, log: Path) -> int | None:
     return None if epoch == 255 else epoch
 
 
+def checkpoint_position(run: Path, log: Path) -> dict | None:
+    """{"epoch", "step", "mid_epoch"} of the run's checkpoint (None: no checkpoint), read in a child."""
+    out = log.with_suffix(".json")
+
+    def read() -> int:
+        from infosieve_fast.checkpoint import load_checkpoint
+
+        state = load_checkpoint(run) if (run / "checkpoint.pt").is_file() else None
+        mid = None if state is None else state.get("mid_epoch")
+        position = None if state is None else {"epoch": state["epoch"], "step": mid["step"] if mid else 0}
+        out.write_text(json.dumps(position and {**position, "mid_epoch": mid is not None}))
+        return 0
+
+    status = fork(read, log)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"reading the checkpoint failed: see {log}"
+    return json.loads(out.read_text())
+
+
+def signal_attempts(work: Path, rng: random.Random, count: int) -> list[dict]:
+    """`count` attempts each stopped by a drawn signal kind at a drawn moment; each must exit preempted, with the
+    stop's record last in log.jsonl and its one-line note on stderr."""
+    from infosieve_fast import cli
+    from infosieve_fast.preemption import PREEMPTED_EXIT
+
+    run, attempts = work / "killed", []
+    # the first two stop once each mid-epoch, past the epoch's first step; the third in an epoch's k-means
+    first = [*rng.sample(["sigterm", "sigusr1"], 2), "sigterm-kmeans"]
+    for i in range(count):
+        position = checkpoint_position(run, work / f"position-{i}.out")
+        kinds = [k for k in SIGNAL_KINDS if signal_calls(k, position) > 0]
+        if not kinds:  # stopped after the last epoch: only the final evaluation is left
+            break
+        kind = first[i] if i < len(first) and first[i] in kinds else rng.choice(kinds)
+        done = 0 if position is None else position["epoch"] * STEPS + position["step"]
+        moments = [n for n in range(1, signal_calls(kind, position) + 1) if i >= 2 or (done + n) % STEPS]
+        n, argv = rng.choice(moments), train_argv(run)
+
+        def attempt(kind=kind, n=n, argv=argv) -> int:
+            patch(kind, n)
+            return cli.main(argv)
+
+        out = work / f"attempt-{i}.out"
+        status = fork(attempt, out)
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1
+        attempts.append({"kind": kind, "call": n, "position": position, "command": argv[1], "exit": code})
+        assert code == PREEMPTED_EXIT, f"attempt {i} ({kind}, call {n}) exited {status}: see {out}"
+        last = json.loads((run / "log.jsonl").read_text().splitlines()[-1])
+        expected = "SIGUSR1" if kind == "sigusr1" else "SIGTERM"
+        assert last["preempted"]["signal"] == expected, f"attempt {i}: log.jsonl ends with {last}"
+        notes = [line for line in out.read_text().splitlines() if line.startswith("preempted: ")]
+        assert len(notes) == 1 and expected in notes[0], f"attempt {i}: no one-line note in {out}"
+    return attempts
+
+
 def train_argv(run: Path) -> list[str]:
     if (run / "config.yaml").is_file():
         return ["train", "--resume", str(run)]
     return ["train", "--config", "configs/demo.yaml", "--out", str(run), *(a for o in OVERRIDES for a in ("--set", o))]
 
 
-def main(workdir: str, seed: str, kills: str) -> int:
+def main(workdir: str, seed: str, kills: str, mode: str = "kills") -> int:
+    global EPOCHS, STEPS
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from infosieve_fast import cli, engine, run_folder  # noqa: F401  (imported once, before any fork)
 
+    if mode == "signals":
+        EPOCHS, STEPS = 2, 4
+        OVERRIDES[:3] = [f"schedule.epochs={EPOCHS}", *SMALL]
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     status = fork(lambda: cli.main(train_argv(work / "reference")), work / "reference.out")
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the reference run failed: see {work}/reference.out"
 
     rng = random.Random(int(seed))
+    if mode == "signals":
+        attempts = signal_attempts(work, rng, int(kills))
+        return final_resume(work, attempts, work / "killed")
     kinds = rng.sample(REQUIRED, len(REQUIRED)) + [rng.choice(REQUIRED + OTHERS) for _ in range(int(kills) - 4)]
     run, attempts = work / "killed", []
     for i, kind in enumerate(kinds):
@@ -238,6 +346,13 @@ def main(workdir: str, seed: str, kills: str) -> int:
         killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
         attempts.append({"kind": kind, "call": n, "checkpoint_epoch": epoch, "command": argv[1], "killed": killed})
         assert killed, f"attempt {i} ({kind}, call {n}) was not killed (status {status}): see {work}/attempt-{i}.out"
+    return final_resume(work, attempts, run)
+
+
+def final_resume(work: Path, attempts: list[dict], run: Path) -> int:
+    """The last `--resume`, untouched, to the end; then WORKDIR/attempts.json."""
+    from infosieve_fast import cli
+
     epoch = checkpoint_epoch(run, work / "epoch-final.out")
     status = fork(lambda: cli.main(train_argv(run)), work / "final.out")
     exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1

@@ -11,7 +11,8 @@ one entry of `PLAN`:
   arguments are parsed by the real command-line parser, so a renamed flag still fails;
 - gpu: a CUDA command of benchmarks/gpu_check.sh, whose CPU rehearsal runs here;
 - ci: installing and testing, which CI itself does.
-A command that matches no entry fails the test: a new documented command must say how it is checked.
+A command that matches no entry fails the test: a new documented command must say how it is checked. A ```sh block
+holds a SLURM batch script: it runs as a whole, with stand-ins for `srun` and `scontrol` (`test_slurm_script_...`).
 
 The commands run in `bash` as written, but their `python`, `python3` and `infosieve` are tests/warm_python.py's shims:
 each command runs in a fork of one interpreter that has already imported torch and the package (and runs as a cold
@@ -21,6 +22,7 @@ one would, tests/test_warm_python.py), so ~40 commands do not pay ~40 imports of
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import shlex
@@ -125,6 +127,12 @@ PLAN = [
         r"-m infosieve_fast\.cli .*",
         "parse",
         "needs several machines (tests/test_multinode.py runs two nodes on this one)",
+    ),  # fmt: skip
+    Entry(
+        r"torchrun --nproc_per_node=\d+ --max-restarts=\d+ -m infosieve_fast\.cli .*",
+        "parse",
+        "needs several GPUs (tests/test_preemption.py runs a restarted launch on two gloo ranks; the SLURM script's "
+        "test below runs torchrun with one)",
     ),  # fmt: skip
     Entry(
         r"torchrun --nproc_per_node=\d+ -m infosieve_fast\.cli .*",
@@ -338,3 +346,67 @@ def test_documented_command_parses(where, command):
     argv = shlex.split(command)
     argv = argv[argv.index("infosieve_fast.cli") + 1 :] if argv[0] == "torchrun" else argv[1:]
     cli.build_parser().parse_args(argv)  # exits (SystemExit) on an unknown flag or a missing argument
+
+
+def batch_scripts() -> list[tuple[str, str]]:
+    """(where, text) of every ```sh block of the docs (SLURM batch scripts)."""
+    found = []
+    for doc in DOCS:
+        block, start = None, 0
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                if block is not None:
+                    found.append((f"{doc.relative_to(ROOT)}:{start}", "\n".join(block) + "\n"))
+                    block = None
+                elif line[3:].strip() == "sh":
+                    block, start = [], number
+            elif block is not None:
+                block.append(line)
+    return found
+
+
+# One task: the command itself, in the background; with STAND_IN_SIGNAL, SLURM's --signal once the run folder opened
+# (torchrun passes it on); `scontrol` records what it was asked.
+STAND_INS = """
+srun() {
+    "$@" &
+    local pid=$!
+    if [ -n "$STAND_IN_SIGNAL" ]; then
+        until [ -f "$RUN/config.yaml" ]; do sleep 0.2; done
+        kill -s "$STAND_IN_SIGNAL" "$pid"
+    fi
+    wait "$pid"
+}
+scontrol() { echo "$*" >> "$STAND_IN_LOG"; }
+SLURM_JOB_ID=7
+"""
+
+
+def bind_batch_script(text: str, run: Path) -> str:
+    """The script at smoke size: one process on the CPU, the demo's digits for one epoch, `RUN` in `run`."""
+    text = re.sub(r"\s*\\\n\s*", " ", text)
+    assert re.search(r"^#SBATCH --signal=USR1@\d+$", text, re.M) and re.search(r"^#SBATCH --requeue$", text, re.M)
+    text = re.sub(r"^RUN=\S+$", f"RUN={run}", text, flags=re.M)
+    text = re.sub(r"--nproc_per_node=\d+", "--nproc_per_node=1", text)
+    smoke = shlex.join([*ONE_EPOCH, *TWO_STEPS, "--set", "train.device=cpu"])
+    bound, n = re.subn(r"--config configs/\S+\.yaml --data\.shards \S+ --set model\.pretrained=\S+",
+                       f"--config configs/demo.yaml {smoke}", text)  # fmt: skip
+    assert n == 1, f"the batch script's training command changed: bind it here\n{text}"
+    return STAND_INS + bound
+
+
+@pytest.mark.parametrize(("where", "script"), batch_scripts(), ids=lambda x: x if ":" in x else "")
+def test_slurm_script_stops_on_its_signal_requeues_and_resumes(where, script, tmp_path):
+    run, requeues = tmp_path / "run", tmp_path / "scontrol.log"
+    bound = bind_batch_script(script, run)
+    env = {**command_env(), "STAND_IN_LOG": str(requeues), "STAND_IN_SIGNAL": "USR1"}
+    first = run_shell(bound, env)  # the time limit's signal: the run stops and the job queues itself again
+    assert first.returncode == 0, f"{where}\n{first.stdout[-3000:]}\n{first.stderr[-3000:]}"
+    assert requeues.read_text() == "requeue 7\n", first.stderr[-3000:]
+    stop = json.loads((run / "log.jsonl").read_text().splitlines()[-1])
+    assert stop["preempted"]["signal"] == "SIGUSR1" and not (run / "metrics.json").exists()
+    env.pop("STAND_IN_SIGNAL")
+    second = run_shell(bound, env)  # the requeued job: resumes where the first stopped, to the end
+    assert second.returncode == 0, f"{where}\n{second.stdout[-3000:]}\n{second.stderr[-3000:]}"
+    assert f"resuming {run} at epoch 1/1" in second.stdout and (run / "metrics.json").is_file()
+    assert requeues.read_text() == "requeue 7\n"  # no second requeue

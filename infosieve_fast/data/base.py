@@ -43,9 +43,10 @@ class GCDSource(Protocol):
         """Every train sample exactly once (on this rank), in a fixed order, for the per-epoch feature pass."""
         ...
 
-    def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
+    def train_batches(self, batch_size: int, epoch: int, seed: int, skip: int = 0) -> Iterator[Batch]:
         """One epoch of training batches, drawn with the configured labelled share, full batches only; never a sample
-        passed to `exclude`."""
+        passed to `exclude`. `skip`: start after that many of the epoch's batches (none of them is read), as a run
+        resumed mid-epoch does."""
         ...
 
     def unreadable(self) -> list[int]:

@@ -82,13 +82,14 @@ class InMemoryGCD:
         for start in range(lo, hi, batch_size):
             yield self._batch(torch.arange(start, min(start + batch_size, hi), device=self.images.device))
 
-    def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
-        """`n_train // (batch_size * world_size)` batches of `batch_size`: this rank's slice of each global batch."""
+    def train_batches(self, batch_size: int, epoch: int, seed: int, skip: int = 0) -> Iterator[Batch]:
+        """`n_train // (batch_size * world_size)` batches of `batch_size`: this rank's slice of each global batch (from
+        batch `skip` on)."""
         gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
         n = int(self.present.sum())
         order = sample_epoch(self.labelled, n, self.labelled_share, gen, self.present).to(self.images.device)
         step = batch_size * self.world_size
-        for start in range(self.rank * batch_size, n - step + 1 + self.rank * batch_size, step):
+        for start in range(skip * step + self.rank * batch_size, n - step + 1 + self.rank * batch_size, step):
             yield self._batch(order[start : start + batch_size])
 
     def unreadable(self) -> list[int]:

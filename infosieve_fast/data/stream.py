@@ -399,9 +399,9 @@ class ShardSource:
             return sample_epoch(torch.from_numpy(self.labelled), n, self.labelled_share, gen, present)
         return torch.nonzero(present).squeeze(1)[torch.randperm(n, generator=gen)]
 
-    def train_batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:
+    def train_batches(self, batch_size: int, epoch: int, seed: int, skip: int = 0) -> Iterator[Batch]:
         """One epoch: `N // (batch_size * world_size)` full batches on every rank; global batch b is rows
-        b·B·W .. (b+1)·B·W of `epoch_order`, and this rank takes its rank-th slice of B."""
+        b·B·W .. (b+1)·B·W of `epoch_order`, and this rank takes its rank-th slice of B (from batch `skip` on)."""
         if self.split != "train":
             raise ValueError("train_batches needs split='train'")
         order = self.epoch_order(epoch, seed)
@@ -411,7 +411,7 @@ class ShardSource:
             raise ValueError(
                 f"{len(order)} readable samples are fewer than one batch of {batch_size} x {self.world_size} ranks"
             )
-        mine = [order[b * step + self.rank * batch_size :][:batch_size] for b in range(n_batches)]
+        mine = [order[b * step + self.rank * batch_size :][:batch_size] for b in range(skip, n_batches)]
         if self.in_memory:
             self.load()
             yield from self._cached(iter(mine))
