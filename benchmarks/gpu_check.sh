@@ -163,7 +163,8 @@ step resume 15 "$PY" -m pytest tests/test_engine.py -k "(two_epoch and cuda) or 
   -p no:cacheprovider
 
 demo_epochs=()
-[ "$DEVICE" = cpu ] && demo_epochs=(--set schedule.epochs=1 --set train.train_subset=256 --set kmeans.n_init=1)
+[ "$DEVICE" = cpu ] && demo_epochs=(--set schedule.epochs=1 --set train.train_subset=256 --set kmeans.n_init=1
+  --set train.max_steps_per_epoch=2)
 step demo 20 "$PY" -m infosieve_fast.cli train --config configs/demo.yaml --out "$work/demo-run" \
   --set train.device="$DEVICE" "${demo_epochs[@]}"
 cp "$work/demo-run/metrics.json" "$out/demo-metrics.json" 2>/dev/null
