@@ -41,23 +41,38 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def chromium_or_skip() -> str:
+    """The headless Chromium to render pages with. Where none is installed (apt-get install chromium) the calling test
+    is skipped; with INFOSIEVE_REQUIRE_CHROMIUM=1 (set by CI) it fails instead."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        reason = "no headless chromium here (apt-get install chromium)"
+        if os.environ.get("INFOSIEVE_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(f"{reason} (INFOSIEVE_REQUIRE_CHROMIUM=1 forbids skipping)", pytrace=False)
+        pytest.skip(reason)
+    return chromium
+
+
 @pytest.fixture(scope="session")
 def screenshot():
-    """`screenshot(page, png, width, height)`: `page` rendered by headless Chromium into `png`.
-
-    Where no Chromium is installed (apt-get install chromium) the call skips the rest of the test; with
-    INFOSIEVE_REQUIRE_CHROMIUM=1 (set by CI) it fails it instead."""
+    """`screenshot(page, png, width, height)`: `page` rendered by headless Chromium into `png` (`chromium_or_skip`)."""
 
     def render(page: Path, png: Path, width: int, height: int) -> Path:
-        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-        if chromium is None:
-            reason = "no headless chromium here (apt-get install chromium)"
-            if os.environ.get("INFOSIEVE_REQUIRE_CHROMIUM") == "1":
-                pytest.fail(f"{reason} (INFOSIEVE_REQUIRE_CHROMIUM=1 forbids skipping)", pytrace=False)
-            pytest.skip(reason)
-        cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={png}",
-               f"--window-size={width},{height}", page.as_uri()]  # fmt: skip
+        cmd = [chromium_or_skip(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+               f"--screenshot={png}", f"--window-size={width},{height}", page.as_uri()]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         return png
+
+    return render
+
+
+@pytest.fixture(scope="session")
+def rendered_dom():
+    """`rendered_dom(page)`: the DOM of `page` after headless Chromium loaded it and ran its scripts, as HTML
+    (`chromium_or_skip`)."""
+
+    def render(page: Path) -> str:
+        cmd = [chromium_or_skip(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()]
+        return subprocess.run(cmd, check=True, capture_output=True, timeout=120, text=True).stdout
 
     return render
