@@ -2,10 +2,13 @@
 
 The math is unchanged, so `auto` (the default) compiles wherever it works: on CUDA it compiles, then runs a probe
 that traces every graph the run will use (the training step's forward and backward; the feature passes' forwards:
-backbone features and the codes' pass, on images and on the token cache's frozen-prefix output). If compiling fails,
-the modules go back to eager and the run goes on; a line on stderr and the epoch record say which path ran and why.
-`on` raises instead of falling back; `off` never compiles. On the CPU `auto` stays eager:
-torch.compile does not pay there, and `on` is refused.
+backbone features and the codes' pass, on images and on the token cache's frozen-prefix output). The modules of one
+class (the blocks; the head) share one forward, so they compile together, one class at a time, each followed by the
+probe: if compiling a class fails (in any of the probe's stages), that class goes back to eager and the classes that
+compiled stay compiled, and the run goes on. A line on stderr says why; every epoch record holds the path
+(`compile`: `compiled`, `partial` or `eager`) and each class's outcome (`compile_graphs`: "compiled", or why it runs
+eager, naming the probe stage that failed). `on` raises instead of falling back; `off` never compiles. On the CPU
+`auto` stays eager: torch.compile does not pay there, and `on` is refused.
 
 Compiling happens once per process, before the first epoch's feature pass, so its time is reported apart from the
 steps' and is not paid again in later epochs: every epoch record holds the path (`compile`) and the compile seconds it
@@ -22,8 +25,9 @@ compiling raises that limit to `RECOMPILE_LIMIT` where it is lower.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,15 +37,22 @@ from .notices import error_line, notice
 RECOMPILE_LIMIT = 64  # graphs per code object (torch's default: 8); one run's split ViT blocks need 7
 
 
+COMPILED = "compiled"
+CPU_REASON = "train.compile=auto on the CPU: eager (torch.compile does not pay here)"
+
+
 @dataclass(frozen=True)
 class CompileOutcome:
-    compiled: bool
+    compiled: bool  # whether any module runs compiled
     reason: str  # why this path ran, one line
-    seconds: float  # compile time (the probe's); 0 when eager
+    seconds: float  # compile time (the probes'); 0 when eager
+    graphs: dict[str, str] = field(default_factory=dict)  # module class -> "compiled", or why it runs eager (a line)
 
     @property
     def path(self) -> str:
-        return "compiled" if self.compiled else "eager"
+        if not self.compiled:
+            return "eager"
+        return COMPILED if all(v == COMPILED for v in self.graphs.values()) else "partial"
 
     def fields(self) -> dict:
         """As a benchmark reports it."""
@@ -60,35 +71,84 @@ def check_compile_setting(setting: str, device: torch.device) -> None:
         raise ValueError("train.compile=on needs CUDA (torch.compile on the CPU does not pay here): set it auto or off")
 
 
+class ProbeStageFailed(Exception):
+    """A stage of the compile probe failed: `stage` names it, the cause is the error."""
+
+    def __init__(self, stage: str, err: Exception):
+        super().__init__(f"{stage}: {error_line(err)}")
+        self.stage, self.err = stage, err
+
+
+@contextmanager
+def probe_stage(stage: str) -> Iterator[None]:
+    """Name the part of the probe that runs inside (e.g. "the step's backward") in the error it may raise."""
+    try:
+        yield
+    except ProbeStageFailed:
+        raise
+    except Exception as err:
+        raise ProbeStageFailed(stage, err) from err
+
+
+def failure_line(err: Exception) -> str:
+    """What failed, one line: the error, and the probe stage it failed in when known."""
+    if isinstance(err, ProbeStageFailed):
+        return f"torch.compile failed in {err.stage} ({error_line(err.err)})"
+    return f"torch.compile failed ({error_line(err)})"
+
+
+def by_class(modules: list[nn.Module]) -> dict[str, list[nn.Module]]:
+    """`modules` grouped by class name (one forward, so one set of graphs, per class), in first-seen order."""
+    groups: dict[str, list[nn.Module]] = {}
+    for module in modules:
+        groups.setdefault(type(module).__name__, []).append(module)
+    return groups
+
+
 def compile_with_fallback(
     modules: list[nn.Module], setting: str, device: torch.device, probe: Callable[[], None]
 ) -> CompileOutcome:
-    """Compile `modules` in place as `setting` says and run `probe` to trace their graphs now. A failure under
-    `auto` restores eager modules and is reported; under `on` it is raised."""
+    """Compile `modules` in place as `setting` says, one class at a time, and run `probe` after each class to trace
+    its graphs now. Under `auto` a class whose compile fails goes back to eager (the others stay compiled) and is
+    reported; under `on` the failure is raised."""
     check_compile_setting(setting, device)
-    if setting == "off":
-        return CompileOutcome(False, "train.compile=off", 0.0)
-    if device.type != "cuda":
-        return CompileOutcome(False, "train.compile=auto on the CPU: eager (torch.compile does not pay here)", 0.0)
+    groups = by_class(modules)
+    if setting == "off" or device.type != "cuda":
+        reason = "train.compile=off" if setting == "off" else CPU_REASON
+        return CompileOutcome(False, reason, 0.0, dict.fromkeys(groups, reason))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    for module in modules:
-        module.compile(dynamic=False)
     start = time.perf_counter()
+    graphs = {name: _compile_group(group, setting, probe) for name, group in groups.items()}
+    failed = {name: line for name, line in graphs.items() if line != COMPILED}
+    if len(failed) == len(graphs):
+        torch._dynamo.reset()
+        reason = f"train.compile=auto: {next(iter(failed.values()))}; running eager"
+        notice(f"WARNING: {reason}")
+        return CompileOutcome(False, reason, 0.0, graphs)
+    seconds = time.perf_counter() - start
+    n = sum(len(groups[name]) for name in graphs if name not in failed)
+    reason = f"train.compile={setting}: modules compiled: {n}, in {seconds:.1f} s"
+    if failed:
+        reason += "; " + "; ".join(f"{name} runs eager: {line}" for name, line in failed.items())
+        notice(f"WARNING: {reason}")
+    else:
+        notice(reason)
+    return CompileOutcome(True, reason, seconds, graphs)
+
+
+def _compile_group(group: list[nn.Module], setting: str, probe: Callable[[], None]) -> str:
+    """Compile the modules of one class and trace their graphs with `probe`: "compiled", or (under `auto`) the
+    failure that sent them back to eager."""
+    for module in group:
+        module.compile(dynamic=False)
     try:
         probe()
     except Exception as err:
         if setting == "on":
             raise RuntimeError(
-                f"train.compile=on: torch.compile failed ({error_line(err)}); set train.compile=auto to fall back to "
-                "eager, or off"
+                f"train.compile=on: {failure_line(err)}; set train.compile=auto to fall back to eager, or off"
             ) from err
-        for module in modules:
+        for module in group:
             module._compiled_call_impl = None  # what nn.Module.compile set: calls go back to the eager forward
-        torch._dynamo.reset()
-        reason = f"train.compile=auto: torch.compile failed ({error_line(err)}); running eager"
-        notice(f"WARNING: {reason}")
-        return CompileOutcome(False, reason, 0.0)
-    seconds = time.perf_counter() - start
-    reason = f"train.compile={setting}: modules compiled: {len(modules)}, in {seconds:.1f} s"
-    notice(reason)
-    return CompileOutcome(True, reason, seconds)
+        return failure_line(err)
+    return COMPILED

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
+from infosieve_fast import recompute
 from infosieve_fast.compiling import RECOMPILE_LIMIT, CompileOutcome, compile_with_fallback, compiled_modules
 from infosieve_fast.config import ConfigError, load_config
 from infosieve_fast.engine import Trainer
@@ -173,6 +174,65 @@ def test_after_the_probe_a_run_compiles_nothing_more(monkeypatch):
     assert trainer.token_cache.replay("train") is not None
     assert counters["stats"]["unique_graphs"] == graphs
     assert not any("recompile" in reason.lower() for reason in counters["unimplemented"])
+
+
+class FailingBackward(torch.autograd.Function):
+    """The identity whose backward fails, as a compiled graph's backward that does not lower."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("inductor: backward lowering failed")
+
+
+def compile_failing_only(class_name: str, where: str):
+    """`nn.Module.compile` whose modules of `class_name` fail in the `forward` or the `backward`; the others run as
+    compiled stand-ins (their own forward)."""
+
+    def compile_(module, *args, **kwargs):
+        if type(module).__name__ != class_name:
+            module._compiled_call_impl = module._call_impl
+        elif where == "forward":
+            failing_compile(module)
+        else:
+            module._compiled_call_impl = lambda *a, **k: FailingBackward.apply(module._call_impl(*a, **k))
+
+    return compile_
+
+
+@pytest.mark.parametrize(
+    ("failing", "where", "stage"),
+    [("ProjectionHead", "forward", "the step's forward"), ("Block", "backward", "the step's backward")],
+)
+def test_a_class_that_fails_to_compile_runs_eager_and_the_epoch_record_names_it(
+    monkeypatch, capsys, failing, where, stage
+):
+    """One class of compiled modules fails (in its forward, or in the step's backward): under `auto` that class runs
+    eager, the other stays compiled, and the epoch record says `partial` with each class's outcome and the failing
+    probe stage; the probe left the trainer in training mode with no gradients."""
+    monkeypatch.setattr(nn.Module, "compile", compile_failing_only(failing, where))
+    trainer = Trainer(split_vit_config("train.eval_every=0"))
+    modules = compiled_modules(trainer.model)
+    trainer.compiled = compile_with_fallback(modules, "auto", FAKE_CUDA, trainer._trace_graphs)
+    assert trainer.model.training and all(p.grad is None for p in trainer.model.parameters())
+    error = "inductor: backward lowering failed" if where == "backward" else "inductor: lowering failed"
+    why = f"torch.compile failed in {stage} (RuntimeError: {error})"
+    other = {"ProjectionHead": "Block", "Block": "ProjectionHead"}[failing]
+    assert trainer.compiled.graphs == {failing: why, other: "compiled"}
+    assert {(type(m).__name__, recompute.is_compiled(m)) for m in modules} == {(failing, False), (other, True)}
+    assert f"{failing} runs eager: {why}" in capsys.readouterr().err
+    record = trainer.train_epoch(0)
+    assert record["compile"] == "partial" and record["compile_graphs"] == {failing: why, other: "compiled"}
+
+
+def test_the_epoch_record_gives_each_class_the_reason_it_runs_eager():
+    record = Trainer(split_vit_config()).compile_once()  # what `train_epoch` puts in its record
+    reason = "train.compile=auto on the CPU: eager (torch.compile does not pay here)"
+    graphs = {"Block": reason, "ProjectionHead": reason}
+    assert record == {"compile": "eager", "compile_graphs": graphs, "seconds_compile": 0}
 
 
 @pytest.mark.parametrize("tokens", [False, True])
