@@ -3,7 +3,8 @@
 Each image goes through the reference's test transform: resize to shorter side `int(crop / 0.875)` (256 for 224),
 centre crop, normalise. Its L2-normalised backbone feature then goes to the nearest of the run's final SS-k-means
 centres. The run folder's checkpoint holds those centres and the class names. Clusters 0..n_old-1 are the known
-classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k is named `novel-<k>`.
+classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k is named `novel-<k>`,
+or what `infosieve name` named it (RUN/names.json).
 
 `PATH` can be one of:
 - an image folder, searched recursively;
@@ -43,6 +44,7 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from .best_checkpoint import describe
 from .best_checkpoint import load as load_run_checkpoint
+from .cluster_names import read_names
 from .config import from_saved
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.decode import pad_into
@@ -198,6 +200,7 @@ def predict(
     model, state = model_from_run(run_dir, dev, checkpoint)
     centers = centers_from_run(run_dir, state, checkpoint).to(dev).float()
     names = state.get("class_names") or []
+    given = read_names(run_dir)  # RUN/names.json: the names `infosieve name` gave novel clusters
     n_old = model.labeller.categorizer[-1].out_features
     cfg = from_saved(state["config"])
     d = cfg.data
@@ -217,7 +220,8 @@ def predict(
         for path, cluster, margin, code, prefix in zip(paths, *sort_batch(model, x, centers), strict=True):
             counts[cluster] += 1
             tree_path = [prefix[: i + 1] for i in range(len(prefix))]
-            values = (path, cluster, cluster_name(cluster, names, n_old), round(margin, 6), code, prefix, tree_path)
+            name = cluster_name(cluster, names, n_old, given)
+            values = (path, cluster, name, round(margin, 6), code, prefix, tree_path)
             records.append(dict(zip(FIELDS, values, strict=True)))
     bar.close()
     _write(out, records)

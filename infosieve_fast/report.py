@@ -10,10 +10,12 @@ It shows what the run folder records:
   number of samples, colour is purity, and the label names the majority class.
 On a run of your own images (`make-shards --dataset discovery`: an unlabelled pool with no labels) the parts of
 All/Old/New that no label can score read "not computed", with the reason, and a section shows what is knowable
-instead: the held-out accuracy and the clusters with their names, sizes and margins (`discovery.py`).
+instead: the held-out accuracy and the clusters with their names, sizes and margins (`discovery.py`), and a gallery
+of every cluster, novel ones first, with each novel cluster's place in the category tree (`gallery.py`; its
+thumbnails are JPEG files under RUN/report/thumbs/, so that page is not self-contained).
 
 The final clustering and the tree come from `RUN/clustering.npz` and `RUN/tree.json` when present. Otherwise they
-are computed from the checkpoint.
+are computed from the checkpoint (the tree of a run with an unlabelled pool: by the gallery's pass).
 """
 
 from __future__ import annotations
@@ -246,6 +248,8 @@ def write_report(
         read, read_metrics, clustering, tree = best_checkpoint_view(run, depth)
     out = run / "report"
     out.mkdir(exist_ok=True)
+    gallery, gallery_tree = discovery_gallery(run, clustering, checkpoint, depth)
+    tree = tree if tree is not None else gallery_tree
     unscored = unscored_parts(clustering["targets"], int(clustering["n_old"])) if clustering is not None else {}
     figures, notes = report_figures(log, metrics, clustering, tree, unscored, depth)
     body = []
@@ -254,13 +258,26 @@ def write_report(
         body.append(figure_html(out / name, caption))
     table = metrics_table(metrics, unscored) if metrics is not None else ""
     if clustering is not None and (np.asarray(clustering["targets"]) == NO_LABEL).any():
-        table += run_pool_section(run, clustering)
+        table += run_pool_section(run, clustering) + gallery
     notes_html = "".join(f"<p><em>{html.escape(n)}</em></p>" for n in notes)
     head = f"<h1>{html.escape(str(run))}</h1>{checkpoint_html(read, read_metrics)}"
     page = html_page("infosieve report", f"{head}{table}{notes_html}{''.join(body)}")
     path = run / "report.html"
     path.write_text(page)
     return path
+
+
+def discovery_gallery(run: Path, clustering: dict | None, checkpoint: str, depth: int) -> tuple[str, dict | None]:
+    """The cluster gallery of a run with an unlabelled pool (gallery.py) and the tree of the same pass's codes;
+    ("", None) for other runs, and a note in place of the gallery where the run's images or shards cannot be read."""
+    if clustering is None or not (np.asarray(clustering["targets"]) == NO_LABEL).any():
+        return "", None
+    from .gallery import run_gallery
+
+    try:
+        return run_gallery(run, clustering, checkpoint, depth)
+    except (FileNotFoundError, ValueError) as err:
+        return f"<p><em>{html.escape(f'no cluster gallery: {err}')}</em></p>", None
 
 
 def report_figures(
@@ -319,6 +336,7 @@ def best_checkpoint_view(run: Path, depth: int) -> tuple[str, dict, dict, dict]:
     ev = trainer.evaluate_full()
     unl = ev.unlabelled
     clustering = {
+        "uq": unl.nonzero().squeeze(1).cpu().numpy(),
         "targets": ev.targets[unl].cpu().numpy(),
         "preds": ev.clustering.labels[unl].cpu().numpy(),
         "n_old": trainer.source.n_old,
