@@ -36,6 +36,16 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and back: done once, at import, before any thread writes files)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() gives a new file; mkstemp's own 0600 would hide the file from others
+
+
 class DiskWriteError(OSError):
     """A run-folder write the file system refused (a full disk, an I/O error, a read-only folder). The message names
     the file and the error in one line; the file's previous version (or the log's earlier lines) is intact."""
@@ -48,12 +58,13 @@ class DiskWriteError(OSError):
 
 
 def atomic_write(path: Path, write) -> None:
-    """Write `path` through `write(binary file)` into a temporary file, fsynced, then renamed over it. A refused write
-    raises `DiskWriteError`."""
+    """Write `path` through `write(binary file)` into a temporary file, fsynced, then renamed over it; the file gets
+    the mode an ordinary new file gets (0644 under umask 022). A refused write raises `DiskWriteError`."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -176,7 +187,7 @@ def load_checkpoint(run_dir: str | Path, map_location="cpu", name: str = CHECKPO
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
         detail = (str(err).splitlines() or ["no detail"])[0].split(". ")[0]
         if isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower():
-            found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(err))  # torch words it both ways
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
             detail = f"it holds {found.group(1)}" if found else detail
             raise CheckpointError(
                 f"{path} holds objects other than tensors, numbers, strings, bytes and containers, so it is not read "

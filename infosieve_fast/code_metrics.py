@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .metrics import NO_LABEL, evaluate_split
+from .metrics import NO_LABEL
 
 DEPTHS = (4, 8, 16)
 
@@ -124,18 +124,17 @@ def evaluate_codes(trainer, fs=None) -> dict:
     targets = trainer.gather_table(fs, fs.targets)
     unl = trainer.gather_table(fs, (~fs.labelled).long(), fill=0).bool()  # unlabelled and readable
     y = targets[unl]
-    out = evaluate_split(y, clustering.labels[unl], y < trainer.source.n_old, cfg.train.eval_protocol)
+    out = trainer.score(y, clustering.labels[unl])
     table = trainer.gather_table(fs, fs.feats, fill=0)[unl]
     out.update(code_measures(table[:, :length], table[:, length:], y))
     return out
 
 
 def format_code_measures(m: dict) -> str:
-    """A few lines for the console: SS-k-means on the codes, then prefixes / purity / NMI per depth."""
-    lines = [
-        f"codes: SS-k-means All {m['all']:.4f}  Old {m['old']:.4f}  New {m['new']:.4f}  "
-        f"mean length {m['mean_length']:.1f}"
-    ]
+    """A few lines for the console: SS-k-means on the codes (n/a for a part no label can score), then prefixes /
+    purity / NMI per depth."""
+    parts = "  ".join(f"{p} {'n/a' if m[p.lower()] is None else f'{m[p.lower()]:.4f}'}" for p in ("All", "Old", "New"))
+    lines = [f"codes: SS-k-means {parts}  mean length {m['mean_length']:.1f}"]
     for d in sorted(int(k.split("_")[1]) for k in m if k.startswith("prefixes_")):
         lines.append(
             f"  depth {d:>2}: {m[f'prefixes_{d}']:>6} prefixes  purity {m[f'purity_{d}']:.4f}  NMI {m[f'nmi_{d}']:.4f}"

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import distributed as dist
-from .compiling import CompileOutcome, check_compile_setting, compile_with_fallback, compiled_modules, probe_stage
+from .compiling import CompileOutcome, check_compile_setting, compile_with_fallback, compiled_modules
 from .config import Config
 from .data import InMemoryGCD, build_source
 from .data.augment import AugmentConfig, DeviceAugment
@@ -284,10 +284,20 @@ class Trainer:
         targets = self.gather_table(fs, fs.targets)
         unl = self.gather_table(fs, (~fs.labelled).long(), fill=0).bool()  # unlabelled and readable
         y = targets[unl]
-        metrics = evaluate_split(y, clustering.labels[unl], y < self.source.n_old, self.cfg.train.eval_protocol)
-        for part in unscored_parts(y.cpu().numpy(), self.source.n_old):  # an unlabelled pool: null, never a 0
+        return Evaluation(self.score(y, clustering.labels[unl]), clustering, targets, unl)
+
+    def score(self, targets: Tensor, preds: Tensor) -> dict[str, float | None]:
+        """All/Old/New of `preds` against `targets` with the run's protocol; None for a part no label can score (an
+        unlabelled pool's New), never a 0."""
+        metrics = evaluate_split(targets, preds, targets < self.source.n_old, self.cfg.train.eval_protocol)
+        for part in unscored_parts(targets.cpu().numpy(), self.source.n_old):
             metrics[part] = None
-        return Evaluation(metrics, clustering, targets, unl)
+        return metrics
+
+    def has_test_split(self) -> bool:
+        """Whether the source has test images to score (shards without a test split record 0 of them)."""
+        n_test = getattr(self.source, "manifest", {}).get("counts", {}).get("test", 1)
+        return hasattr(self.source, "test_batches") and bool(n_test)
 
     @torch.no_grad()
     def evaluate_test(self, centers: Tensor) -> dict[str, float]:
@@ -298,6 +308,12 @@ class Trainer:
                 f"the data source ({type(self.source).__name__}) has no test split: the digits demo has none; train "
                 "from shards (make-shards writes the test split) to evaluate on it"
             )
+        if not self.has_test_split():
+            raise ValueError(
+                f"the run's shards ({self.cfg.data.shards}) hold no test split (your own images and WebDataset shards "
+                "from other tools have none): drop --split test; `infosieve eval --run RUN` scores the unlabelled "
+                "train samples (make-shards --holdout gives an own-images run labelled images to score)"
+            )
         self.model.eval()
         centers = centers.to(self.device).float()
         preds, targets = [], []
@@ -306,8 +322,7 @@ class Trainer:
             targets.append(y)
         self.model.train()
         y = dist.all_gather_cat(torch.cat(targets))[0]
-        p = dist.all_gather_cat(torch.cat(preds))[0]
-        return evaluate_split(y, p, y < self.source.n_old, self.cfg.train.eval_protocol)
+        return self.score(y, dist.all_gather_cat(torch.cat(preds))[0])
 
     def evaluate_epoch(self) -> dict:
         """`train.eval_every`'s log entries: All/Old/New on the unlabelled train samples and, where the source has
@@ -317,8 +332,7 @@ class Trainer:
 
         ev = self.evaluate_full()
         out = {"eval": ev.metrics}
-        n_test = getattr(self.source, "manifest", {}).get("counts", {}).get("test", 1)  # 0: shards without test split
-        if hasattr(self.source, "test_batches") and n_test:
+        if self.has_test_split():
             out["eval_test"] = self.evaluate_test(ev.clustering.centers)
         out["eval_codes"] = evaluate_codes(self)
         return out
@@ -432,8 +446,7 @@ class Trainer:
 
     def compile_once(self) -> dict:
         """`train.compile`, before the first epoch of this process (`train_epoch` calls it): the epoch record's
-        `compile` (the path that runs), `compile_graphs` (each module class's outcome) and `seconds_compile` (what
-        this call paid: 0 once done)."""
+        `compile` (the path that runs) and `seconds_compile` (what this call paid: 0 once done)."""
         paid = 0.0
         if self.compiled is None:
             status = status_line(f"train.compile={self.cfg.train.compile}: compiling")
@@ -442,44 +455,38 @@ class Trainer:
             )
             status.close()
             paid = self.compiled.seconds
-        return {"compile": self.compiled.path, "compile_graphs": self.compiled.graphs, "seconds_compile": paid}
+        return {"compile": self.compiled.path, "seconds_compile": paid}
 
     def _trace_graphs(self) -> None:
         """Run every graph a run uses once, at its shapes: the step's forward and backward (both views of a batch)
-        and the feature pass's forward, each a named `probe_stage`. Parameters, buffers, gradients, the RNG and the
-        training mode are left as they were, also when a stage fails (compiling goes on without the failing class)."""
+        and the feature pass's forward. Parameters, buffers, gradients and the RNG are left as they were."""
         d, model = self.cfg.data, self.model
-        buffers, training = [b.clone() for b in model.buffers()], model.training
-        try:
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                shape = (len(d.mean), d.crop_size, d.crop_size)  # the images' channels, as the augmentation checks
-                with self.autocast(), probe_stage("the step's forward"):
-                    out = model(torch.zeros(2 * d.batch_size, *shape, device=self.device))
-                with probe_stage("the step's backward"):
-                    (out.projection.sum() + out.backbone.float().sum()).backward()
-                model.eval()
-                with torch.no_grad(), self.autocast():
-                    self._trace_feature_passes(torch.zeros(d.feature_batch_size, *shape, device=self.device))
-        finally:
-            model.train(training)
-            self.optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for buffer, saved in zip(model.buffers(), buffers, strict=True):
-                    buffer.copy_(saved)
+        buffers = [b.clone() for b in model.buffers()]
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            shape = (len(d.mean), d.crop_size, d.crop_size)  # the images' channels, as the augmentation checks
+            with self.autocast():
+                out = model(torch.zeros(2 * d.batch_size, *shape, device=self.device))
+            (out.projection.sum() + out.backbone.float().sum()).backward()
+            model.eval()
+            with torch.no_grad(), self.autocast():
+                self._trace_feature_passes(torch.zeros(d.feature_batch_size, *shape, device=self.device))
+            model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
 
     def _trace_feature_passes(self, x: Tensor) -> None:
         """The forwards of the feature passes at their one batch size (`_full_batch`): backbone features and the
         codes' pass (the whole model), on images and, where the token cache may hold the frozen prefix's output, on
         that output as the cache records and replays it."""
         model = self.model
-        with probe_stage("the feature passes on images"):
-            model.features(x)
-            model(x)
+        inputs = [x]
         if model.backbone.prefix_is_pure:
-            with probe_stage("the feature passes on the token cache's frozen-prefix output"):
-                tokens = PrefixTokens(model.backbone.frozen_tokens(x))
-                model.features(tokens)
-                model(tokens)
+            inputs.append(PrefixTokens(model.backbone.frozen_tokens(x)))
+        for batch in inputs:
+            model.features(batch)
+            model(batch)
 
     def steps_per_epoch(self) -> int:
         """Training steps of an epoch: full global batches of the readable samples, capped by

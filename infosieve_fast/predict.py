@@ -2,9 +2,10 @@
 
 Each image goes through the reference's test transform: resize to shorter side `int(crop / 0.875)` (256 for 224),
 centre crop, normalise. Its L2-normalised backbone feature then goes to the nearest of the run's final SS-k-means
-centres. The run folder's checkpoint holds those centres and the class names. Clusters 0..n_old-1 are the known
-classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k is named `novel-<k>`,
-or what `infosieve name` named it (RUN/names.json).
+centres, except an image the run itself clustered (one of its own-images pool, recognised by content,
+`run_assignment.py`): that one keeps the run's final cluster, so the run and predict give one answer per image.
+The run folder's checkpoint holds those centres and the class names. Clusters 0..n_old-1 are the known
+classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k is named `novel-<k>`.
 
 `PATH` can be one of:
 - an image folder, searched recursively;
@@ -44,7 +45,6 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from .best_checkpoint import describe
 from .best_checkpoint import load as load_run_checkpoint
-from .cluster_names import read_names
 from .config import from_saved
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.decode import pad_into
@@ -53,6 +53,7 @@ from .data.stream import decode_image
 from .data.tar import IMAGE_KEYS, image_members, read_span
 from .discovery import cluster_name
 from .model import InfoSieve
+from .run_assignment import RunAssignments, content_hash, run_assignments
 from .trainer_setup import resolve_device
 from .tree import code_strings
 
@@ -143,32 +144,41 @@ def image_items(path: str | Path, image_keys: tuple[str, ...] = IMAGE_KEYS) -> l
     raise FileNotFoundError(f"--images {path} is neither an image folder, a list file nor shards")
 
 
-def _load(source: object, shorter: int, channels: int) -> Tensor:
-    """uint8 [C, H, W] resized to the given shorter side (bicubic, antialiased, as make-shards and the reference)."""
+def _load(
+    source: object, shorter: int, channels: int, assignments: RunAssignments | None
+) -> tuple[Tensor, bytes | None]:
+    """uint8 [C, H, W] resized to the given shorter side (bicubic, antialiased, as make-shards and the reference), and
+    the image's stored-content hash when the run's own clusters are looked up (`assignments`), else None."""
     from PIL import Image
 
     from .data.encode import resize_image
 
     if isinstance(source, ShardImage):
-        img = decode_image(read_span(source.tar, source.offset, source.length))
+        data = read_span(source.tar, source.offset, source.length)
+        img = decode_image(data)
         im = Image.fromarray(img.permute(1, 2, 0).numpy())
+        key = None if assignments is None else content_hash(data)
     else:
         with Image.open(source) as im:
             im = im.convert("RGB")
+        key = None if assignments is None else assignments.stored_key(im)
     im = resize_image(im, shorter)
     if channels == 1:
         im = im.convert("L")
     arr = np.asarray(im)
     arr = arr[:, :, None] if arr.ndim == 2 else arr
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1), key
 
 
-def _batches(items: list, batch_size: int, shorter: int, channels: int) -> Iterator[tuple[int, list[str], list]]:
-    """(images tried, names, images) per batch of `items`; an unreadable image is reported and left out."""
+def _batches(
+    items: list, batch_size: int, shorter: int, channels: int, assignments: RunAssignments | None
+) -> Iterator[tuple[int, list[str], list, list]]:
+    """(images tried, names, images, their content hashes) per batch of `items`; an unreadable image is reported and
+    left out."""
 
     def load(item):
         try:
-            return _load(item[1], shorter, channels)
+            return _load(item[1], shorter, channels, assignments)
         except Exception as exn:
             print(f"infosieve predict: WARNING: skipped {item[0]}: {type(exn).__name__}: {exn}", file=sys.stderr)
             return None
@@ -176,9 +186,9 @@ def _batches(items: list, batch_size: int, shorter: int, channels: int) -> Itera
     with ThreadPoolExecutor(4) as pool:
         for start in range(0, len(items), batch_size):
             chunk = items[start : start + batch_size]
-            images = list(pool.map(load, chunk))
-            kept = [(name, img) for (name, _), img in zip(chunk, images, strict=True) if img is not None]
-            yield len(chunk), [name for name, _ in kept], [img for _, img in kept]
+            loaded = list(pool.map(load, chunk))
+            kept = [(name, got) for (name, _), got in zip(chunk, loaded, strict=True) if got is not None]
+            yield len(chunk), [name for name, _ in kept], [g[0] for _, g in kept], [g[1] for _, g in kept]
 
 
 @torch.no_grad()
@@ -192,47 +202,80 @@ def predict(
     checkpoint: str = "last",
 ) -> dict:
     """Write one record per readable image of `images` to `out` (.jsonl or .csv) with the run's last (or best)
-    checkpoint; returns a summary, which names the checkpoint."""
+    checkpoint; returns a summary, which names the checkpoint and counts the images the run itself had clustered.
+    An input with no image, or none readable, is refused."""
     out = Path(out)
     if out.suffix.lower() not in OUTPUT_SUFFIXES:
         raise ValueError(f"--out {out} must end in .jsonl or .csv (the output format)")
     dev = resolve_device(device)
     model, state = model_from_run(run_dir, dev, checkpoint)
+    d = from_saved(state["config"]).data
+    image_keys = parse_image_keys(d.intake.image_keys)
+    items = image_items(images, image_keys)
+    if not items:
+        raise ValueError(
+            f"--images {images} holds no images (files ending in {', '.join(IMAGE_SUFFIXES)}, a list of them, or "
+            "shards): point it at the images to sort"
+        )
+    # the last checkpoint's clustering is the run's final one (clustering.npz); the best's is computed again
+    assignments = run_assignments(run_dir, d.shards, image_keys) if checkpoint == "last" else None
     centers = centers_from_run(run_dir, state, checkpoint).to(dev).float()
-    names = state.get("class_names") or []
-    given = read_names(run_dir)  # RUN/names.json: the names `infosieve name` gave novel clusters
-    n_old = model.labeller.categorizer[-1].out_features
-    cfg = from_saved(state["config"])
-    d = cfg.data
-    augment = DeviceAugment(AugmentConfig(d.crop_size, False, tuple(d.mean), tuple(d.std)))
-    shorter = int(d.crop_size / 0.875)  # the reference: Resize(int(224 / 0.875)) = 256, then CenterCrop(224)
-    channels = int(cfg.model.backbone_kwargs.get("in_chans", 3))
-    items = image_items(images, parse_image_keys(d.intake.image_keys))
-    records, counts = [], np.zeros(len(centers), np.int64)
+    sorter = ImageSorter(model, centers, state, assignments)
     bar = tqdm(total=len(items), desc="predict", unit="img", disable=not progress)
-    for tried, paths, imgs in _batches(items, batch_size, shorter, channels):
+    for tried, paths, imgs, keys in _batches(items, batch_size, sorter.shorter, sorter.channels, assignments):
         bar.update(tried)
-        if not imgs:
-            continue
-        canvas, sizes = pad_into(imgs)
-        uniform = bool((sizes == sizes[:1]).all())
-        x = augment.test_view(canvas.to(dev), None if uniform else sizes)
-        for path, cluster, margin, code, prefix in zip(paths, *sort_batch(model, x, centers), strict=True):
-            counts[cluster] += 1
-            tree_path = [prefix[: i + 1] for i in range(len(prefix))]
-            name = cluster_name(cluster, names, n_old, given)
-            values = (path, cluster, name, round(margin, 6), code, prefix, tree_path)
-            records.append(dict(zip(FIELDS, values, strict=True)))
+        if imgs:
+            sorter.add(paths, imgs, keys)
     bar.close()
-    _write(out, records)
+    if not sorter.records:
+        raise ValueError(
+            f"none of the {len(items)} images of --images {images} could be read (each is named above): check that "
+            "the paths exist and the files are images"
+        )
+    _write(out, sorter.records)
     return {
         "images": len(items),
-        "written": len(records),
-        "skipped": len(items) - len(records),
+        "written": len(sorter.records),
+        "skipped": len(items) - len(sorter.records),
+        "run_clustered": sorter.recognised,
         "out": str(out),
-        "clusters_used": int((counts > 0).sum()),
+        "clusters_used": int((sorter.counts > 0).sum()),
         "checkpoint": describe(state, checkpoint),
     }
+
+
+class ImageSorter:
+    """The records of `predict`: per image its cluster (the run's own for an image the run clustered, else the
+    nearest centre), name, margin, code, prefix and tree path."""
+
+    def __init__(self, model: InfoSieve, centers: Tensor, state: dict, assignments: RunAssignments | None):
+        cfg = from_saved(state["config"])
+        d = cfg.data
+        self.model, self.centers, self.assignments = model, centers, assignments
+        self.names, self.n_old = state.get("class_names") or [], model.labeller.categorizer[-1].out_features
+        self.augment = DeviceAugment(AugmentConfig(d.crop_size, False, tuple(d.mean), tuple(d.std)))
+        self.shorter = int(d.crop_size / 0.875)  # the reference: Resize(int(224 / 0.875)) = 256, then CenterCrop(224)
+        self.channels = int(cfg.model.backbone_kwargs.get("in_chans", 3))
+        self.records: list[dict] = []
+        self.counts = np.zeros(len(centers), np.int64)
+        self.recognised = 0
+
+    def add(self, paths: list[str], imgs: list[Tensor], keys: list[bytes | None]) -> None:
+        canvas, sizes = pad_into(imgs)
+        uniform = bool((sizes == sizes[:1]).all())
+        dev = self.centers.device
+        x = self.augment.test_view(canvas.to(dev), None if uniform else sizes.to(dev))
+        for path, key, nearest, margin, code, prefix in zip(
+            paths, keys, *sort_batch(self.model, x, self.centers), strict=True
+        ):
+            own = None if self.assignments is None or key is None else self.assignments.cluster_by_hash.get(key)
+            self.recognised += own is not None
+            cluster = nearest if own is None else own
+            self.counts[cluster] += 1
+            tree_path = [prefix[: i + 1] for i in range(len(prefix))]
+            name = cluster_name(cluster, self.names, self.n_old)
+            values = (path, cluster, name, round(margin, 6), code, prefix, tree_path)
+            self.records.append(dict(zip(FIELDS, values, strict=True)))
 
 
 @torch.no_grad()

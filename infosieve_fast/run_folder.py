@@ -106,7 +106,8 @@ def _train(
                 f"best checkpoint: {best.best['criterion']} {best.best['value']:.6g} at epoch {best.best['epoch']}, "
                 f"in {run_dir / BEST_CHECKPOINT} (read it with --checkpoint best)"
             )
-        print_finished(run_dir, time.perf_counter() - started, None if state is None else start, cfg.schedule.epochs)
+        seconds, resumed_at = time.perf_counter() - started, None if state is None else start
+        print_finished(run_dir, seconds, resumed_at, cfg.schedule.epochs, trainer.has_test_split())
     dist.barrier()
     return metrics
 
@@ -138,6 +139,7 @@ def open_new_run(trainer: Trainer, run_dir: Path) -> dict[str, float]:
     """Create the folder with its config.yaml and fingerprint.json, and return the untrained model's All/Old/New (the
     "before" row)."""
     if dist.is_main_process():
+        print(f"run folder: {run_dir}")  # once its checks passed: the folder it names now exists
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(trainer.cfg, run_dir / CONFIG)
         fingerprint.write(run_dir, fingerprint.collect(trainer.cfg, trainer.device, dist.get_world_size()))
@@ -415,14 +417,15 @@ def print_table(metrics: dict[str, dict[str, float | None]], protocol: str) -> N
         print(f"{name:<16}" + "".join("     n/a" if m[p] is None else f"{m[p]:>8.4f}" for p in ("all", "old", "new")))
 
 
-def print_finished(run_dir: Path, seconds: float, resumed_at: int | None, epochs: int) -> None:
-    """The session's time and the way on; `resumed_at`: the epoch this session started at (None: a new run)."""
+def print_finished(run_dir: Path, seconds: float, resumed_at: int | None, epochs: int, test_split: bool) -> None:
+    """The session's time and the way on; `resumed_at`: the epoch this session started at (None: a new run);
+    `test_split`: whether the run's data has a test split to score."""
     session = ""
     if resumed_at is not None:
         at = "for the final evaluation" if resumed_at >= epochs else f"at epoch {resumed_at + 1}"
         session = f" (this session, resumed {at})"
     print(f"\nfinished in {format_duration(seconds)}{session}; run folder: {run_dir}")
-    print_next_steps(run_dir)
+    print_next_steps(run_dir, test_split)
 
 
 def format_duration(seconds: float) -> str:
@@ -431,10 +434,12 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def print_next_steps(run_dir: Path) -> None:
+def print_next_steps(run_dir: Path, test_split: bool = False) -> None:
+    """The commands that read the run; `--split test` only where the run's data has a test split."""
     run = shlex.quote(str(run_dir))
     print("next:")
-    print(f"  infosieve eval --run {run}     # All/Old/New from the checkpoint (--split test: the held-out split)")
+    test = " (--split test: the held-out split)" if test_split else ""
+    print(f"  infosieve eval --run {run}     # All/Old/New from the checkpoint{test}")
     print(f"  infosieve tree --run {run}     # the category tree of the learned codes")
     print(f"  infosieve report --run {run}   # report.html: losses, schedules, accuracy, confusion, the tree")
 
@@ -455,24 +460,10 @@ def read_run(run_dir: str | Path, checkpoint: str = "last") -> tuple[Trainer, st
 
 
 def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last") -> dict:
-    """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`, under "checkpoint" what was
-    read and, for the last checkpoint of a run with an unlabelled pool, under "novel_clusters" each novel cluster's
-    place in the tree (cluster_places.py)."""
-    from .cluster_places import run_places
-    from .code_metrics import code_features
-
+    """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`, and under "checkpoint" what
+    was read."""
     trainer, read = read_run(run_dir, checkpoint)
-    fs = code_features(trainer)
-    tree = trainer_tree(trainer, max_depth, fs) | {"checkpoint": read}
-    if checkpoint == "last" and trainer.centers is not None:  # RUN/clustering.npz is the last checkpoint's
-        length, uq = trainer.cfg.model.code_length, fs.uq.tolist()
-        codes = dict(zip(uq, code_strings(fs.feats[:, :length], fs.feats[:, length:]), strict=True))
-        targets = dict(zip(uq, fs.targets.tolist(), strict=True))
-        names = list(trainer.source.class_names)
-        places = run_places(run_dir, codes, targets, names, len(trainer.centers), max_depth)
-        if places:
-            tree["novel_clusters"] = places
-    return tree
+    return trainer_tree(trainer, max_depth) | {"checkpoint": read}
 
 
 def assignment_centers(trainer: Trainer, run_dir: str | Path, checkpoint: str) -> torch.Tensor:
@@ -486,13 +477,12 @@ def assignment_centers(trainer: Trainer, run_dir: str | Path, checkpoint: str) -
     return trainer.centers
 
 
-def trainer_tree(trainer: Trainer, max_depth: int = 8, fs=None) -> dict:
+def trainer_tree(trainer: Trainer, max_depth: int = 8) -> dict:
     """The implicit category tree of a trainer's weights: codes of the train samples (test view), cut by the mask.
-    The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples).
-    `fs`: `code_metrics.code_features(trainer)`, if already computed."""
+    The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples)."""
     from .code_metrics import code_features, evaluate_codes
 
-    fs = fs if fs is not None else code_features(trainer)
+    fs = code_features(trainer)
     length = trainer.cfg.model.code_length
     tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
     tree["measures"] = evaluate_codes(trainer, fs)

@@ -11,6 +11,7 @@ from . import distributed as dist
 from .config import Config, ConfigError
 from .data.base import GCDSource
 from .model import Backbone, InfoSieve
+from .notices import notice
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,7 +103,8 @@ def build_model(cfg: Config, n_old: int, backbone: Backbone | None, pretrained: 
 
 
 def check_source_fits(cfg: Config, source: GCDSource) -> None:
-    """An epoch needs one full global batch, and balanced k-means needs clusters that hold every train sample."""
+    """An epoch needs one full global batch, balanced k-means needs clusters that hold every train sample, and the
+    stored images must suit the crop (`check_stored_size`)."""
     per_step = cfg.data.batch_size * dist.get_world_size()
     if per_step > source.n_train:
         raise ValueError(
@@ -122,3 +124,27 @@ def check_source_fits(cfg: Config, source: GCDSource) -> None:
                 f"kmeans.cluster_size={km.cluster_size} x {k} clusters holds fewer than the {source.n_train} "
                 f"train samples: set it >= {-(-source.n_train // k)}, or null for ceil(N / K)"
             )
+    check_stored_size(getattr(source, "size", None), cfg.data.crop_size, cfg.data.shards)
+
+
+STORED_SIZE_SLACK = 1.5  # stored shorter side / the test view's: more than this decodes over twice the pixels used
+
+
+def check_stored_size(stored: int | None, crop: int, shards) -> None:
+    """Shards whose images (shorter side `stored`, as served) are smaller than the crop are refused; much larger than
+    the test view `int(crop / 0.875)` that the crop is made for, they are decoded at pixels nothing uses: a warning
+    naming both sizes and the fix (configs/cub100-*.yaml crop 112 from shards made with --resize 128)."""
+    if stored is None:
+        return
+    view = int(crop / 0.875)
+    if stored < crop:
+        raise ConfigError(
+            f"the shards {shards} store images at {stored} px (shorter side), smaller than data.crop_size {crop}: "
+            f"make the shards again with make-shards --resize {view}, or set data.crop_size <= {stored}"
+        )
+    if stored > STORED_SIZE_SLACK * view:
+        notice(
+            f"WARNING: the shards {shards} store images at {stored} px (shorter side) but data.crop_size {crop} is "
+            f"made for {view} px (its test view): every image is decoded at {(stored / view) ** 2:.1f}x the pixels "
+            f"it needs; make the shards with make-shards --resize {view}, or set data.resize={view}"
+        )

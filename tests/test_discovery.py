@@ -129,6 +129,11 @@ def test_own_images_end_to_end_beats_kmeans_on_the_backbone(birds, realdata, tmp
         assert 0 <= r["cluster"] < k and r["name"] == cluster_name(r["cluster"], state["class_names"], KNOWN)
         assert r["tree_path"] == [r["prefix"][: i + 1] for i in range(len(r["prefix"]))]
     assert state["class_names"] == sorted(p.name for p in (root / "labelled").iterdir())
+    # one answer per image: each pool image keeps the run's own final cluster (clustering.npz, by its uq)
+    uq_of = {name: uq for uq, name in enumerate(read_dataset("discovery", root).train_names)}
+    with np.load(run / "clustering.npz") as z:
+        final = dict(zip(z["uq"].tolist(), z["preds"].tolist(), strict=True))
+    assert all(r["cluster"] == final[uq_of[str(Path(p).relative_to(root))]] for p, r in records.items())
 
     # scored against the withheld labels: All/Old/New over the pool (Hungarian, v2), against plain k-means of the same
     # backbone's untrained features, told the true number of species or the run's K

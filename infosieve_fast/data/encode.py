@@ -41,7 +41,12 @@ def resize_image(im: Image.Image, size: int) -> Image.Image:  # noqa: F821
 
 def encode_image(source, size: int, quality: int = JPEG_QUALITY, image_format: str = "jpg") -> bytes:
     """The stored bytes of one sample: RGB, shorter side `size`, JPEG (`quality`) or lossless PNG."""
-    im = resize_image(load_rgb(source), size)
+    return encode_pil(load_rgb(source), size, quality, image_format)
+
+
+def encode_pil(rgb: Image.Image, size: int, quality: int = JPEG_QUALITY, image_format: str = "jpg") -> bytes:  # noqa: F821
+    """`encode_image` of an RGB image already decoded."""
+    im = resize_image(rgb, size)
     if image_format == "png":
         return png_bytes(np.asarray(im))
     if image_format != "jpg":

@@ -1,0 +1,170 @@
+"""The own-images route fails where the person can act, and gives one answer per image: a run on shards of
+`labelled/` + `unlabelled/` real CIFAR-10 images (no test split) through eval, tree, predict and report; train's
+checks before its run folder; shard file modes; the shards' stored size against the crop."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+from infosieve_fast import cli
+from infosieve_fast.config import ConfigError, load_config
+from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.layout_discovery import read_discovery
+from infosieve_fast.data.shards import make_shards
+from infosieve_fast.metrics import NO_LABEL
+from infosieve_fast.predict import model_from_run
+from infosieve_fast.run_folder import train
+from infosieve_fast.trainer_setup import check_stored_size
+from tests.test_engine import SMOKE
+
+KNOWN, NOVEL = ("airplane", "automobile"), ("bird", "cat")
+
+
+def _link_images(realdata, cls: str, lo: int, hi: int, folder) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for src in sorted((realdata / "cifar10_test" / "test" / cls).glob("*.jpg"))[lo:hi]:
+        (folder / f"{cls}_{src.name}").symlink_to(src)
+
+
+@pytest.fixture(scope="module")
+def pool_run(realdata, tmp_path_factory):
+    """A finished 1-epoch run (K = 4) on your own images: 12 labelled images of each of 2 known CIFAR-10 classes, a
+    pool of 6 more of each and 18 of each of 2 novel classes; shards stored at 40 px (crop 32)."""
+    base = tmp_path_factory.mktemp("ownimages")
+    for cls in KNOWN:
+        _link_images(realdata, cls, 0, 12, base / "mine" / "labelled" / cls)
+        _link_images(realdata, cls, 12, 18, base / "mine" / "unlabelled")
+    for cls in NOVEL:
+        _link_images(realdata, cls, 0, 18, base / "mine" / "unlabelled" / "more")
+    make_shards("discovery", base / "mine", base / "shards", resize=40, progress=False)
+    cfg = load_config(
+        "configs/demo.yaml",
+        [*SMOKE[3:], "schedule.epochs=1", "data.source=shards", f"data.shards={base / 'shards'}",
+         "data.batch_size=32", "data.num_workers=0", "model.backbone_kwargs={in_chans: 3}", "kmeans.n_clusters=4",
+         "data.mean=[0.5, 0.5, 0.5]", "data.std=[0.25, 0.25, 0.25]", "train.device=cpu"],
+    )  # fmt: skip
+    train(cfg, base / "run")
+    return base, cfg
+
+
+def test_eval_on_a_run_without_test_split_names_the_fix_and_train_does_not_suggest_it(pool_run, capsys):
+    base, _ = pool_run
+    assert cli.main(["eval", "--run", str(base / "run"), "--split", "test"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "hold no test split" in err and "drop --split test" in err
+    from infosieve_fast.run_folder import print_next_steps
+
+    print_next_steps(base / "run", test_split=False)
+    print_next_steps(base / "run", test_split=True)
+    hints = [line for line in capsys.readouterr().out.splitlines() if "infosieve eval" in line]
+    assert "--split test" not in hints[0] and "--split test" in hints[1]
+
+
+def test_new_cannot_be_measured_so_eval_and_tree_print_na(pool_run, capsys):
+    """The pool has no label: New is n/a in eval's table and in the codes' line of eval and tree, as in train's."""
+    base, _ = pool_run
+    assert cli.main(["eval", "--run", str(base / "run")]) == 0
+    assert cli.main(["tree", "--run", str(base / "run"), "--depth", "3"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("last (train)"))
+    assert row.split()[-3:] == ["n/a"] * 3  # no labelled image was held out, so All and Old cannot be measured either
+    codes = [line for line in out.splitlines() if line.startswith("codes: SS-k-means")]
+    assert len(codes) == 2 and all("New n/a" in line and "0.0000" not in line.split("New")[1] for line in codes)
+    tree = json.loads((base / "run" / "tree.json").read_text())
+    assert tree["measures"]["new"] is None
+
+
+def test_predict_gives_the_runs_own_cluster_to_every_image_it_clustered(pool_run, realdata, tmp_path, capsys):
+    """Every pool image (by folder, found by content) gets clustering.npz's cluster of its uq; an image the run never
+    saw gets its nearest centre, computed here from the checkpoint's model."""
+    base, cfg = pool_run
+    extra = tmp_path / "new"
+    _link_images(realdata, "bird", 30, 34, extra)
+    images = base / "mine" / "unlabelled"
+    out = tmp_path / "pred.jsonl"
+    assert cli.main(["predict", "--run", str(base / "run"), "--images", str(images), "--out", str(out),
+                     "--device", "cpu"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    raw = read_discovery(base / "mine")
+    uq_of = {name: uq for uq, name in enumerate(raw.train_names)}
+    with np.load(base / "run" / "clustering.npz") as z:
+        run_cluster = dict(zip(z["uq"].tolist(), z["preds"].tolist(), strict=True))
+        pool = int((z["targets"] == NO_LABEL).sum())
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == pool == 48 and f"{pool} of them the run itself clustered" in printed
+    for r in records:
+        uq = uq_of["unlabelled/" + os.path.relpath(r["path"], images)]
+        assert r["cluster"] == run_cluster[uq], r["path"]
+
+    out_new = tmp_path / "new.jsonl"
+    assert cli.main(["predict", "--run", str(base / "run"), "--images", str(extra), "--out", str(out_new)]) == 0
+    assert "the run itself clustered" not in capsys.readouterr().out
+    model, state = model_from_run(base / "run", torch.device("cpu"))
+    from PIL import Image
+
+    from infosieve_fast.data.encode import resize_image
+
+    aug = DeviceAugment(AugmentConfig(cfg.data.crop_size, False, tuple(cfg.data.mean), tuple(cfg.data.std)))
+    pics = [np.asarray(resize_image(Image.open(p).convert("RGB"), 36)) for p in sorted(extra.iterdir())]
+    x = torch.from_numpy(np.stack(pics)).permute(0, 3, 1, 2)  # CIFAR images are square: one size
+    with torch.no_grad():
+        nearest = torch.cdist(model.features(aug.test_view(x)), state["centers"]).argmin(1)
+    assert [json.loads(line)["cluster"] for line in out_new.read_text().splitlines()] == nearest.tolist()
+
+
+def test_report_says_what_its_pool_columns_count(pool_run, capsys):
+    base, _ = pool_run
+    assert cli.main(["report", "--run", str(base / "run")]) == 0
+    page = (base / "run" / "report.html").read_text()
+    assert "pool images and held-out images count the run&#x27;s own final clustering" in page
+
+
+def test_predict_refuses_an_input_with_no_image_to_sort(pool_run, tmp_path, capsys):
+    base, _ = pool_run
+    (tmp_path / "empty").mkdir()
+    listing = tmp_path / "list.txt"
+    listing.write_text("gone/a.jpg\ngone/b.jpg\n")
+    for images, says in ((tmp_path / "empty", "holds no images"), (listing, "none of the 2 images")):
+        out = tmp_path / "p.jsonl"
+        assert cli.main(["predict", "--run", str(base / "run"), "--images", str(images), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1].startswith("error: ") and says in err[-1] and str(images) in err[-1]
+        assert not out.exists()
+
+
+def test_train_names_its_run_folder_only_once_the_checks_pass(tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "--config", "configs/demo.yaml", "--out", str(run), "--set", "data.source=shards"]
+    assert cli.main([*argv, "--set", f"data.shards={tmp_path / 'nowhere'}"]) == 2
+    out = capsys.readouterr()
+    assert "run folder:" not in out.out and not run.exists() and "error:" in out.err
+
+
+def test_shards_get_the_mode_of_an_ordinary_new_file(pool_run, tmp_path):
+    base, _ = pool_run
+    ordinary = tmp_path / "ordinary"
+    ordinary.write_bytes(b"")  # open() applies the umask to 0666
+    want = stat.S_IMODE(ordinary.stat().st_mode)
+    shards = base / "shards"
+    written = [*shards.glob("*.tar"), shards / "manifest.json", base / "run" / "checkpoint.pt"]
+    assert len(written) >= 3 and {stat.S_IMODE(p.stat().st_mode) for p in written} == {want}
+
+
+def test_stored_size_against_the_crop(capsys):
+    """crop 112 is made for 128 px (int(112 / 0.875)): 256 px warns with both sizes and the fix, up to 1.5 x 128
+    is quiet, below the crop is refused."""
+    check_stored_size(256, 112, "/s")
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "256 px" in err and "data.crop_size 112" in err and "--resize 128" in err
+    assert "4.0x the pixels" in err
+    for quiet in (128, 192, None):
+        check_stored_size(quiet, 112, "/s")
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match="store images at 100 px .* smaller than data.crop_size 112"):
+        check_stored_size(100, 112, "/s")
