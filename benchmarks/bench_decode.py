@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import smoke
-from benchmarks.harness import cpu_report, finish_cpu_report
+from benchmarks.harness import Stopwatch, cpu_report, finish_cpu_report
 from benchmarks.synthetic_shards import add_cache_arguments, cached_synthetic_shards
 from infosieve_fast.data import shards as shards_mod
 
@@ -69,13 +69,13 @@ def decode_augment(images: list[bytes], *, crop: int, batch: int, repeats: int) 
             return views
 
         def one_pass() -> tuple[float, float, float]:
-            t0, c0, dec = time.perf_counter(), time.process_time(), 0.0
+            wall, c0, dec = Stopwatch(), time.process_time(), 0.0
             for start in range(0, len(images), batch):
                 d0 = time.process_time()
                 canvas, sizes = decoded(images[start : start + batch])
                 dec += time.process_time() - d0
                 views_of(canvas, sizes)
-            return time.perf_counter() - t0, time.process_time() - c0, dec
+            return wall.seconds(), time.process_time() - c0, dec
 
         views_of(*decoded(images[:batch]))  # warm-up: codec, buffers
         rounds = [one_pass() for _ in range(max(1, repeats))]
@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    started = time.perf_counter()
+    started = Stopwatch()
     report = cpu_report("bench_decode", argv)
     name = f"decode-n{args.decode_n}-s{args.decode_size}-seed{args.seed}"
     folder, shards = cached_synthetic_shards(

@@ -36,13 +36,12 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks import smoke
-from benchmarks.harness import sync, throughput, timed
+from benchmarks.harness import Stopwatch, sync, throughput, timed
 from benchmarks.pooled_shards import KIND, write_pooled_shards
 from benchmarks.provenance import device_name, emit_json, stamp
 from infosieve_fast.config import load_config
@@ -156,24 +155,24 @@ def training_window(trainer: Trainer, pseudo: torch.Tensor, steps: int, warmup: 
     gen = torch.Generator(device=dev).manual_seed(0)
     monitor = LossMonitor(0)
     util = None
-    wait, done, epoch, t0 = 0.0, 0, 0, None
+    wait, done, epoch, window = 0.0, 0, 0, None
     while done < steps + warmup:
         batches = iter(trainer.source.train_batches(bs, epoch=epoch, seed=0))
         while done < steps + warmup:
-            w0 = time.perf_counter()
+            fetch = Stopwatch()
             batch = next(batches, None)
             if batch is None:
                 break
             if done == warmup:  # the window starts with this batch in hand
                 sync(dev)
-                t0, wait, util = time.perf_counter(), 0.0, GpuUtilisation(dev)
+                window, wait, util = Stopwatch(), 0.0, GpuUtilisation(dev)
             elif done > warmup:
-                wait += time.perf_counter() - w0
+                wait += fetch.seconds()
             trainer.train_step(batch, pseudo, gen, monitor)
             done += 1
         epoch += 1
     sync(dev)
-    seconds = time.perf_counter() - t0
+    seconds = window.seconds()
     monitor.check()
     return {
         "steps": steps,
@@ -238,9 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
     phase_done("compile", compile=trainer.compiled.fields())
     features, fs = feature_pass(trainer)
     phase_done("feature_pass", feature_pass=features)
-    t0 = time.perf_counter()
-    pseudo = trainer.cluster(fs, seed=0, balanced=trainer.cfg.kmeans.balanced).labels
-    phase_done("kmeans_at_this_n", kmeans_at_this_n_s=round(time.perf_counter() - t0, 2))
+    with timed() as kmeans:
+        pseudo = trainer.cluster(fs, seed=0, balanced=trainer.cfg.kmeans.balanced).labels
+    phase_done("kmeans_at_this_n", kmeans_at_this_n_s=round(kmeans.seconds, 2))
     window = training_window(trainer, pseudo, args.steps, args.warmup)
     phase_done("window", window=window)
     projection = project(features, window, args.batch, args.kmeans_json)

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import importlib
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,8 +46,8 @@ import torch
 
 import infosieve_kernels as kernels
 from benchmarks import datasheet, kernel_roofline, smoke
-from benchmarks.harness import sync
-from benchmarks.provenance import emit_json
+from benchmarks.harness import Stopwatch, call_times, sync, timed
+from benchmarks.provenance import device_name, emit_json, versions
 from infosieve_fast.precision import set_cuda_matmul_tf32
 from infosieve_kernels import reference
 
@@ -70,10 +69,10 @@ MAX_CASE_S = 20.0  # estimated seconds a variant of one case may take (warm-up +
 
 class Budget:
     def __init__(self, seconds: float):
-        self.deadline = time.perf_counter() + seconds
+        self.seconds, self.clock = seconds, Stopwatch()
 
     def left(self) -> float:
-        return self.deadline - time.perf_counter()
+        return self.seconds - self.clock.seconds()
 
 
 @dataclass(frozen=True)
@@ -99,34 +98,20 @@ def fused_status(module: str) -> str | None:
 def measure(step, device: torch.device, budget: Budget, reps: int, min_time_s: float) -> dict:
     """Warm up (compiles happen here), then time `step` (forward+backward), the host's time to issue it, its launches
     and its peak memory."""
-    t0 = time.perf_counter()
-    step()
-    sync(device)
-    first_s = time.perf_counter() - t0
-    step()  # a second warm-up: autotuners and allocator settle
-    sync(device)
-    times, host = [], []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t = time.perf_counter()
+    with timed(device) as first:
         step()
-        host.append((time.perf_counter() - t) * 1e3)
-        if device.type == "cuda":
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            times.append(host[-1])
-        if sum(times) / 1e3 >= min_time_s and len(times) >= 3 or budget.left() < 0:
-            break
+
+    def enough(seconds: list[float]) -> bool:
+        return sum(seconds) >= min_time_s and len(seconds) >= 3 or budget.left() < 0
+
+    # a second warm-up call: autotuners and allocator settle
+    calls = call_times(step, device, warmup=1, repeats=reps, until=enough)
     return {
-        "ms": statistics.median(times),
-        "ms_min": min(times),
-        "host_ms": statistics.median(host),
-        "runs": len(times),
-        "first_call_s": round(first_s, 3),
+        "ms": statistics.median(calls.seconds) * 1e3,
+        "ms_min": min(calls.seconds) * 1e3,
+        "host_ms": statistics.median(calls.host_seconds) * 1e3,
+        "runs": len(calls.seconds),
+        "first_call_s": round(first.seconds, 3),
         "peak_mib": peak_mib(step, device),
         "launches": kernel_roofline.count_launches(step, device),
     }
@@ -136,11 +121,11 @@ def peak_mib(step, device: torch.device) -> float | None:
     """The memory one call allocates beyond what was allocated before it (CUDA only)."""
     if device.type != "cuda":
         return None
-    torch.cuda.synchronize(device)
+    sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     step()
-    torch.cuda.synchronize(device)
+    sync(device)
     return round((torch.cuda.max_memory_allocated(device) - base) / 2**20, 2)
 
 
@@ -363,10 +348,8 @@ def parse_args(argv) -> argparse.Namespace:
 def run_meta(args, device: torch.device, argv, forced: str | None) -> dict:
     """What the run measured on and how."""
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "python": platform.python_version(),
+        "device": device_name(device),
+        **versions("triton"),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv[1:] if argv is None else argv,
         "quick": args.quick,
@@ -447,13 +430,6 @@ def case_order(quick: bool) -> list[tuple[str, object]]:
     first = [("code_head", n) for n in TRAINING_CODE_N] + [("contrastive", c) for c in TRAINING_CON] + LARGE_FIRST
     rest = [("code_head", n) for n in CODE_N] + [("contrastive", (n, d)) for n in CON_N for d in CON_D]
     return first + [case for case in rest if case not in first]
-
-
-def _version(module: str) -> str | None:
-    try:
-        return importlib.import_module(module).__version__
-    except Exception:
-        return None
 
 
 def _progress(result: dict) -> None:

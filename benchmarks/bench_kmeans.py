@@ -30,15 +30,15 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks import smoke
-from benchmarks.harness import sync, timed
-from benchmarks.provenance import device_name, emit_json, git_state
+from benchmarks.harness import call_times, sync, timed
+from benchmarks.provenance import device_name, emit_json, git_state, versions
 from benchmarks.published.kmeans import ReferenceSSKMeans, sqdist
 from infosieve_fast.kmeans import faiss_available, semi_supervised_kmeans
 
@@ -99,27 +99,26 @@ def run_round(
     dev = u.device
     feature_bytes = u.numel() * u.element_size() + l.numel() * l.element_size()
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        sync(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     else:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
         rss_before = _proc_status_kib("VmRSS")
-    t0 = time.perf_counter()
-    res = semi_supervised_kmeans(
-        u,
-        l,
-        t,
-        k,
-        n_init=n_init,
-        max_iter=max_iter,
-        balanced=balanced,
-        balance=balance,
-        distance_precision=distance_precision,
-        backend=backend,
-        seed=seed,
-    )
-    sync(dev)
-    seconds = time.perf_counter() - t0
+    with timed(dev) as clock:
+        res = semi_supervised_kmeans(
+            u,
+            l,
+            t,
+            k,
+            n_init=n_init,
+            max_iter=max_iter,
+            balanced=balanced,
+            balance=balance,
+            distance_precision=distance_precision,
+            backend=backend,
+            seed=seed,
+        )
+    seconds = clock.seconds
     if dev.type == "cuda":
         beyond = torch.cuda.max_memory_allocated(dev) - feature_bytes
         how = "torch.cuda.max_memory_allocated() - feature bytes"
@@ -186,7 +185,7 @@ def time_round(
         "n": n,
         **record,
         "device": device_name(torch.device(device)),
-        "torch": torch.__version__,
+        "torch": versions()["torch"],
         "threads": torch.get_num_threads(),
         "commit": commit,
         "dirty": dirty,
@@ -205,7 +204,7 @@ def main_scale(args):
         "commit": commit,
         "dirty": dirty,
         "device": device_name(device),
-        "torch": torch.__version__,
+        "torch": versions()["torch"],
         "threads": torch.get_num_threads(),
         "faiss": faiss_available(),
         "faiss_gpu": faiss_available(gpu=True),
@@ -277,11 +276,8 @@ def sqdist_chunk_ratio(d, k, device):
     a, b = torch.randn(1024, d, device=device), torch.randn(k, d, device=device)
     out = {}
     for mode in ("broadcast", "gemm"):
-        sqdist(a, b, mode=mode)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            sqdist(a, b, mode=mode)
-        out[mode] = (time.perf_counter() - t0) / 3
+        calls = call_times(lambda mode=mode: sqdist(a, b, mode=mode), torch.device(device), warmup=1, repeats=3)
+        out[mode] = statistics.mean(calls.seconds)
     return out
 
 
@@ -323,7 +319,7 @@ def main(argv=None):
         "commit": commit,
         "dirty": dirty,
         "device": device_name(device),
-        "torch": torch.__version__,
+        "torch": versions()["torch"],
         "threads": torch.get_num_threads(),
         "faiss": faiss_available(),
         "n_init": args.n_init,

@@ -35,14 +35,14 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks import smoke
 from benchmarks.cub_subset import write_cub_subset
-from benchmarks.provenance import emit_json
+from benchmarks.harness import timed
+from benchmarks.provenance import emit_json, versions
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.data.layouts import read_dataset
 from infosieve_fast.data.shards import make_shards
@@ -86,10 +86,11 @@ def _timed(batches, warmup: int, n: int, views_of) -> tuple[float, int]:
     it = iter(batches)
     for _ in range(warmup):
         views_of(next(it))
-    t0, views = time.perf_counter(), 0
-    for _ in range(n):
-        views += views_of(next(it))
-    return time.perf_counter() - t0, views
+    views = 0
+    with timed() as clock:
+        for _ in range(n):
+            views += views_of(next(it))
+    return clock.seconds, views
 
 
 def bench_reference(data: Path, args, stacked: bool = False) -> float:
@@ -157,14 +158,14 @@ def main() -> None:
     if args.classes:
         data = write_cub_subset(data, args.classes, shards.with_name(shards.name + "-raw"))
     load_start = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    make_shards("cubfiles", data, shards, workers=args.workers, progress=False)
-    make_s = time.perf_counter() - t0
+    with timed() as making:
+        make_shards("cubfiles", data, shards, workers=args.workers, progress=False)
+    make_s = making.seconds
     stream_src = ShardSource(shards, cache="off", num_workers=args.workers)
     memory_src = ShardSource(shards, cache="cpu", num_workers=args.workers)
-    t0 = time.perf_counter()
-    memory_src.load()
-    decode_s = time.perf_counter() - t0
+    with timed() as decoding:
+        memory_src.load()
+    decode_s = decoding.seconds
     rounds = []
     for r in range(args.repeats):
         one = {"loadavg_before": round(os.getloadavg()[0], 2)}
@@ -212,7 +213,7 @@ def main() -> None:
             "loadavg_at_start": round(load_start, 2),
             "loadavg_at_end": round(os.getloadavg()[0], 2),
             "platform": platform.platform(),
-            "torch": torch.__version__,
+            "torch": versions()["torch"],
         },
     }
     emit_json(result, args.json)

@@ -15,10 +15,10 @@ import io
 import statistics
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks import smoke
+from benchmarks.harness import timed
 from benchmarks.provenance import emit_json
 from infosieve_fast.config import IntakeConfig
 from infosieve_fast.data.stream import ShardSource
@@ -55,9 +55,9 @@ def write_shards(folder: Path, samples: int, per_shard: int) -> None:
 
 
 def _open(folder: Path, cache: Path) -> tuple[float, ShardSource]:
-    t0 = time.perf_counter()
-    src = ShardSource(folder, num_workers=0, cache="off", intake=IntakeConfig(index_cache=str(cache)))
-    return time.perf_counter() - t0, src
+    with timed() as clock:
+        src = ShardSource(folder, num_workers=0, cache="off", intake=IntakeConfig(index_cache=str(cache)))
+    return clock.seconds, src
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from benchmarks import smoke
-from benchmarks.harness import cpu_report, finish_cpu_report
+from benchmarks.harness import Stopwatch, cpu_report, finish_cpu_report
 from benchmarks.process_memory import TreeMemory, has_psutil, memory_mb
 from benchmarks.synthetic_shards import add_cache_arguments, cached_synthetic_shards, palette
 from infosieve_fast.data.sampler import reference_labelled_share
@@ -436,7 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    started = time.perf_counter()
+    started = Stopwatch()
     report = cpu_report("bench_stream", argv)
     name = f"gcd-n{args.n}-c{args.classes}-s{args.size}-seed{args.seed}"
     folder, shards = cached_synthetic_shards(

@@ -82,7 +82,6 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
@@ -90,8 +89,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import datasheet, smoke
-from benchmarks.harness import at, sync, timed
-from benchmarks.provenance import device_name, emit_json, stamp
+from benchmarks.harness import Stopwatch, at, call_times, sync, timed
+from benchmarks.provenance import device_name, emit_json, stamp, versions
 from benchmarks.published import train as published
 from infosieve_fast import checkpoint as ckpt
 from infosieve_fast.config import apply_overrides, from_dict
@@ -156,29 +155,8 @@ def bf16_gemm_tflops(device: torch.device) -> float:
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    times = time_calls(lambda: a @ b, device, warmup=3, repeats=10)
+    times = call_times(lambda: a @ b, device, warmup=3, repeats=10).seconds
     return 2 * n**3 / statistics.median(times) / 1e12
-
-
-def time_calls(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Seconds per call: between CUDA events on a GPU (the host never waits inside the run), wall clock on the CPU."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return times
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
-    events[0].record()
-    for i in range(repeats):
-        fn()
-        events[i + 1].record()
-    sync(device)
-    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(repeats)]
 
 
 def free_memory(device: torch.device) -> None:
@@ -311,16 +289,14 @@ def count_step_flops(args, device: torch.device, batch: Batch, pseudo: torch.Ten
 
 def bench_variant(args, device, variant, batch, pseudo, n_old, flops: int, peaks: dict[str, float | None]) -> dict:
     free_memory(device)
-    t0 = time.perf_counter()
-    step, finish, details = step_functions(args, device, variant, batch, pseudo, n_old)
-    step()  # first call: kernel compilation, allocator growth (and the compile, `seconds_compile`, before it)
-    if details().get("cuda_graph") == "graph":  # the eager warm-up and the capture stay out of the timed steps
-        for _ in range(max(0, WARMUP_STEPS - args.warmup)):
-            step()
-    sync(device)
-    first_s = time.perf_counter() - t0
+    with timed(device) as first:
+        step, finish, details = step_functions(args, device, variant, batch, pseudo, n_old)
+        step()  # first call: kernel compilation, allocator growth (and the compile, `seconds_compile`, before it)
+        if details().get("cuda_graph") == "graph":  # the eager warm-up and the capture stay out of the timed steps
+            for _ in range(max(0, WARMUP_STEPS - args.warmup)):
+                step()
     free_memory(device)  # resets the peak: the steady-state peak of the timed steps is reported
-    times = time_calls(step, device, args.warmup, args.steps)
+    times = call_times(step, device, args.warmup, args.steps).seconds
     last_loss = finish()
     seconds = statistics.median(times)
     return {
@@ -330,7 +306,7 @@ def bench_variant(args, device, variant, batch, pseudo, n_old, flops: int, peaks
         "images_per_s": args.batch / seconds,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         **{f"mfu_{name}": flops / seconds / (tflops * 1e12) if tflops else None for name, tflops in peaks.items()},
-        "setup_and_first_step_s": first_s,
+        "setup_and_first_step_s": first.seconds,
         **details(),
         "last_loss": last_loss,
     }
@@ -455,17 +431,16 @@ def time_checkpoint(trainer: Trainer) -> dict:
     next epoch (`checkpoint_write_seconds`)."""
     state = trainer.state_dict(2, {})
     with tempfile.TemporaryDirectory() as run_dir:
-        t0 = time.perf_counter()
-        ckpt.save_checkpoint(run_dir, state)
-        foreground = time.perf_counter() - t0
+        with timed() as foreground:
+            ckpt.save_checkpoint(run_dir, state)
         sync(trainer.device)
-        t0 = time.perf_counter()
+        clock = Stopwatch()
         ckpt.save_checkpoint_in_background(run_dir, state)
-        snapshot = time.perf_counter() - t0
+        snapshot = clock.seconds()
         ckpt.wait_for_checkpoint()
-        write = time.perf_counter() - t0 - snapshot
+        write = clock.seconds() - snapshot
     return {
-        "checkpoint_seconds": foreground,
+        "checkpoint_seconds": foreground.seconds,
         "checkpoint_snapshot_seconds": snapshot,
         "checkpoint_write_seconds": write,
     }
@@ -698,7 +673,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
         **stamp(),
         "command": " ".join(["python", "-m", "benchmarks.bench_train", *sys.argv[1:]]),
         "device": name,
-        "torch": torch.__version__,
+        "torch": versions()["torch"],
         "summary": {},
         "bf16_gemm_tflops": bf16_gemm_tflops(device),
         "bf16_datasheet_tflops": datasheet.bf16_tflops(name) if device.type == "cuda" else None,

@@ -27,11 +27,11 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from benchmarks import smoke
 from benchmarks.cub_subset import REALDATA, write_cub_subset
+from benchmarks.harness import timed
 from benchmarks.provenance import ROOT, device_name, emit_json, git_state
 from infosieve_fast import checkpoint as ckpt
 from infosieve_fast.config import LossConfig, ModelConfig, config_drift, load_config
@@ -100,10 +100,10 @@ def run_one(cfg, run_dir: Path, depth: int) -> dict:
     from infosieve_fast.run_folder import code_tree, train
 
     done = (run_dir / "metrics.json").is_file()
-    start = time.perf_counter()
-    if not done:
-        train(cfg, run_dir, resume=True)
-    seconds = time.perf_counter() - start
+    with timed() as clock:
+        if not done:
+            train(cfg, run_dir, resume=True)
+    seconds = clock.seconds
     metrics = json.loads((run_dir / "metrics.json").read_text())
     tree = code_tree(run_dir, max(depth, 8))
     ckpt.write_json(run_dir / "tree.json", tree)

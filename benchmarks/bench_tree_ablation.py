@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from benchmarks import smoke
 from benchmarks.bench_tree import CONFIG, reference_overrides
 from benchmarks.cub_subset import REALDATA, write_cub_subset
+from benchmarks.harness import Stopwatch
 from benchmarks.provenance import ROOT, device_name, emit_json, git_state
 from infosieve_fast.config import load_config
 from infosieve_fast.data.memory import InMemoryGCD
@@ -114,12 +114,12 @@ def run_variant(cfg, cached: dict) -> dict:
     n_views = cached["views"].shape[1] - 1
     trainer = Trainer(cfg, source, Backbone(torch.nn.Identity(), cached["views"].shape[2], None))
     trainer.augment = CachedViews(n_views)
-    start = time.perf_counter()
+    clock = Stopwatch()
     log = [trainer.train_epoch(epoch) for epoch in range(cfg.schedule.epochs)]
     codes = evaluate_codes(trainer)
     out = {k: codes[k.removeprefix("code_")] for k in REPORTED}
     out["terms_first_last"] = {k: [log[0][k], log[-1][k]] for k in TERMS}
-    out["seconds"] = round(time.perf_counter() - start, 1)
+    out["seconds"] = round(clock.seconds(), 1)
     return out
 
 

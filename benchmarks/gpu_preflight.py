@@ -27,14 +27,11 @@ Exit status 0, whatever a check says; 1 only with --require-gpu on a machine whe
 from __future__ import annotations
 
 import argparse
-import importlib
 import io
 import os
-import platform
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -44,8 +41,8 @@ from PIL import Image
 if not torch.cuda.is_available():  # Triton reads it once, when first imported (torchvision imports it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.harness import sync  # noqa: E402
-from benchmarks.provenance import device_name, emit_json  # noqa: E402
+from benchmarks.harness import Stopwatch, sync  # noqa: E402
+from benchmarks.provenance import device_name, emit_json, versions  # noqa: E402
 from infosieve_fast.data import decode  # noqa: E402
 
 NVJPEG_MEAN_TOLERANCE = 2.0  # levels of 255, as tests/test_data_stream_exact.py's GPU test
@@ -56,24 +53,14 @@ INDUCTOR_ATOL = 1e-4  # fp32 on both sides; a GEMM's accumulation order may diff
 NO_CUDA = "skipped: no CUDA"
 
 
-def versions() -> dict[str, str | None]:
-    out = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda}
-    for module in ("torchvision", "triton", "timm"):
-        try:
-            out[module] = importlib.import_module(module).__version__
-        except Exception as exn:  # a missing package is a finding, not a crash
-            out[module] = f"unavailable: {type(exn).__name__}: {exn}"
-    return out
-
-
 def run_check(check: Callable[[], dict]) -> dict:
     """`check()`'s report with its status and seconds; a raised error becomes status "failed" with its text."""
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     try:
         report = check()
     except Exception as exn:  # every failure is reported, none stops the other checks
         report = {"status": "failed", "error": f"{type(exn).__name__}: {exn}"}
-    return {**report, "seconds": round(time.perf_counter() - t0, 3)}
+    return {**report, "seconds": round(clock.seconds(), 3)}
 
 
 def check_gpu(device: torch.device) -> dict:
@@ -251,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name(device),
         "device_asked": str(wanted),
         "cuda_available": cuda,
-        "versions": versions(),
+        "versions": {**versions("torchvision", "triton", "timm"), "torch_cuda": torch.version.cuda},
         "machine": machine(device),
         "summary": {name: c["status"] for name, c in checks.items()},
         "checks": checks,

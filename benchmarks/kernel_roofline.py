@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.datasheet import Card
+from benchmarks.harness import sync
 
 CODE_HEAD_ARRAYS = 14  # [N, L] arrays moved: x, y in; raw, mask, code, trunc out; x, y and 4 grads in; dx, dy out
 CONTRASTIVE_FEATURE_PASSES = 6  # [N, D] passes over both losses: each reads F forward, reads F and writes dF backward
@@ -59,7 +60,7 @@ def count_launches(call: Callable[[], object], device: torch.device) -> int | No
     activity = torch.profiler.ProfilerActivity
     with torch.profiler.profile(activities=[activity.CPU, activity.CUDA]) as prof:
         call()
-        torch.cuda.synchronize(device)
+        sync(device)
     return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 

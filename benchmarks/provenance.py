@@ -1,5 +1,6 @@
 """What a benchmark result must name: the commit it ran on, whether the tree was dirty, a hash of the code that ran,
-and the device. The commit and the tree hash come from `infosieve_fast/source_tree.py` (run folders record the same).
+the device and the versions of what ran it; benchmarks take these from here only. The commit and the tree hash come
+from `infosieve_fast/source_tree.py` (run folders record the same).
 
 `python -m benchmarks.provenance --commit C` prints the hash of commit C's code, to check a result's `tree_hash`
 against the commit it names.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
 import platform
@@ -37,6 +39,18 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def versions(*modules: str) -> dict[str, str]:
+    """The versions of python, torch and each of `modules` (imported: a module that does not import is reported as
+    "unavailable: <error>", a finding rather than a crash)."""
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for module in modules:
+        try:
+            out[module] = importlib.import_module(module).__version__
+        except Exception as exn:
+            out[module] = f"unavailable: {type(exn).__name__}: {exn}"
+    return out
 
 
 def emit_json(result: dict, path: str | Path | None, indent: int = 1, echo: bool = True) -> None:

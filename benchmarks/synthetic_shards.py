@@ -21,11 +21,11 @@ import math
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import timed
 from infosieve_fast.data import shards as shards_mod
 from infosieve_fast.data.layouts import RawDataset
 
@@ -197,12 +197,11 @@ def write_synthetic_shards(
     labels = np.arange(n, dtype=np.int64) % n_classes
     sources = [image(kind, i, int(labels[i]), size, seed, n_classes) for i in range(n)]
     raw = _raw_dataset(out, sources, labels, n_classes, sig)
-    t0 = time.perf_counter()
-    # workers >= 2: the encoding runs in a process pool, so no generated pixels stay in this process
-    manifest = shards_mod.make_shards(
-        DATASET, raw, out, shard_size_mb=shard_size_mb, resize=size, workers=max(2, workers), progress=False
-    )
-    seconds = time.perf_counter() - t0
+    with timed() as clock:  # workers >= 2: the encoding runs in a process pool, no generated pixels stay here
+        manifest = shards_mod.make_shards(
+            DATASET, raw, out, shard_size_mb=shard_size_mb, resize=size, workers=max(2, workers), progress=False
+        )
+    seconds = clock.seconds
     _check_counts(out, manifest, labels, n_classes)
     recs = manifest["splits"]["train"]["shards"]
     return {

@@ -1,10 +1,14 @@
-"""benchmarks/provenance.py: the tree hash that proves which code a result came from."""
+"""benchmarks/provenance.py: the tree hash that proves which code a result came from, and the versions a result
+names."""
 
 import json
+import platform
 import subprocess
 from pathlib import Path
 
+import numpy
 import pytest
+import torch
 
 from benchmarks import provenance
 
@@ -65,3 +69,10 @@ def test_a_write_cut_short_leaves_the_previous_result_whole(tmp_path, monkeypatc
         provenance.emit_json({"cases": [1, 2]}, out, echo=False)
     assert json.loads(out.read_text())["cases"] == [1]
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_versions_name_python_torch_and_each_module_asked_for():
+    got = provenance.versions("numpy", "no_such_module_here")
+    assert got["python"] == platform.python_version() and got["torch"] == torch.__version__
+    assert got["numpy"] == numpy.__version__
+    assert got["no_such_module_here"].startswith("unavailable: ModuleNotFoundError: ")
