@@ -187,7 +187,7 @@ def load_checkpoint(run_dir: str | Path, map_location="cpu", name: str = CHECKPO
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
         detail = (str(err).splitlines() or ["no detail"])[0].split(". ")[0]
         if isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower():
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+            found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(err))  # torch words it both ways
             detail = f"it holds {found.group(1)}" if found else detail
             raise CheckpointError(
                 f"{path} holds objects other than tensors, numbers, strings, bytes and containers, so it is not read "

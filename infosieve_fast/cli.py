@@ -1,4 +1,4 @@
-"""`infosieve train | eval | tree | predict | estimate-k | report | make-shards | sweep | compare`."""
+"""`infosieve train | eval | tree | predict | report | name | export | estimate-k | make-shards | sweep | compare`."""
 
 from __future__ import annotations
 
@@ -129,6 +129,11 @@ def _tree(args: argparse.Namespace) -> int:
     write_json(out, tree)
     print(format_tree(tree))
     print(format_code_measures(tree["measures"]))
+    if tree.get("novel_clusters"):
+        from .cluster_places import place_text
+
+        print("novel clusters in the tree:")
+        print("\n".join(f"  {place_text(place)}" for place in tree["novel_clusters"]))
     print(f"wrote {out}")
     return 0
 
@@ -156,6 +161,28 @@ def _report(args: argparse.Namespace) -> int:
     from .report import write_report
 
     print(f"wrote {write_report(args.run, depth=args.depth, checkpoint=args.checkpoint)}")
+    return 0
+
+
+def _name(args: argparse.Namespace) -> int:
+    from .checkpoint import load_checkpoint
+    from .cluster_names import NAMES, assign_names
+
+    state = load_checkpoint(args.run)
+    if state.get("centers") is None:
+        raise ValueError(f"{args.run} has no final clustering yet (its checkpoint holds no centres): let it finish")
+    names = assign_names(args.run, args.names, list(state["class_names"]), len(state["centers"]))
+    print("\n".join(f"novel-{k} = {name}" for k, name in sorted(names.items())))
+    print(f"wrote {Path(args.run) / NAMES}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import json
+
+    from .export import export_run
+
+    print(json.dumps(export_run(args.run, args.out)))
     return 0
 
 
@@ -276,6 +303,16 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     add_checkpoint_argument(p)
 
 
+def _name_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    p.add_argument("names", nargs="+", metavar="novel-K=NAME", help='e.g. novel-7="Blue Jay" (kept in RUN/names.json)')
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, metavar="RUN_DIR", help="a finished run on your own images, clusters named")
+    p.add_argument("--out", required=True, metavar="DIR", help="the new discovery folder (new or empty)")
+
+
 def _estimate_k_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", metavar="RUN_DIR", help="a run folder: its checkpoint's features of the train samples")
     p.add_argument("--features", metavar="FILE.npz", help="an .npz with F [N, D] and y [N]")
@@ -329,6 +366,10 @@ _COMMANDS = (
     ("tree", "the implicit category tree of a run's learned codes", _tree_arguments, _tree),
     ("predict", "sort new images with a trained run (cluster, name, margin, code)", _predict_arguments, _predict),
     ("report", "write RUN/report.html: losses, schedules, accuracy, confusion, the tree", _report_arguments, _report),
+    ("name", "name a run's novel clusters (RUN/names.json; predict, report, tree and export use the names)",
+     _name_arguments, _name),
+    ("export", "your images again, named clusters as labelled classes, for the next round", _export_arguments,
+     _export),
     ("estimate-k", "estimate the number of categories (GCD's method) from a run or features", _estimate_k_arguments,
      _estimate_k),
     ("make-shards", "write a dataset's GCD split as WebDataset shards", shards.add_cli_arguments, _make_shards),

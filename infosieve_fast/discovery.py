@@ -23,9 +23,12 @@ from .metrics import NO_LABEL
 PREDICTIONS = "predictions.jsonl"  # `infosieve predict --run RUN --images ... --out RUN/predictions.jsonl`
 
 
-def cluster_name(cluster: int, class_names: list[str], n_old: int) -> str:
-    """Cluster `cluster`'s name: the known class it is anchored to (clusters 0..n_old-1), else `novel-<cluster>`."""
-    return class_names[cluster] if cluster < n_old and cluster < len(class_names) else f"novel-{cluster}"
+def cluster_name(cluster: int, class_names: list[str], n_old: int, given: dict[int, str] | None = None) -> str:
+    """Cluster `cluster`'s name: the known class it is anchored to (clusters 0..n_old-1), else the name `given` it
+    (RUN/names.json, `cluster_names.py`), else `novel-<cluster>`."""
+    if cluster < n_old and cluster < len(class_names):
+        return class_names[cluster]
+    return (given or {}).get(cluster, f"novel-{cluster}")
 
 
 def unscored_parts(targets: np.ndarray, n_old: int) -> dict[str, str]:
@@ -77,7 +80,9 @@ def margins_by_cluster(records: list[dict]) -> dict[int, dict]:
     return out
 
 
-def pool_section(run: Path, clustering: dict, class_names: list[str], n_clusters: int) -> str:
+def pool_section(
+    run: Path, clustering: dict, class_names: list[str], n_clusters: int, given: dict[int, str] | None = None
+) -> str:
     """The report's HTML on a run with an unlabelled pool: held-out accuracy, then per cluster its name, its pool and
     held-out images in the final clustering and, from `RUN/predictions.jsonl`, its predicted images and margins."""
     targets, preds, n_old = np.asarray(clustering["targets"]), np.asarray(clustering["preds"]), int(clustering["n_old"])
@@ -112,7 +117,7 @@ def pool_section(run: Path, clustering: dict, class_names: list[str], n_clusters
         m = margins.get(c)
         cells = [
             str(c),
-            cluster_name(c, class_names, n_old),
+            cluster_name(c, class_names, n_old, given),
             f"{int((pool & (preds == c)).sum()):,}",
             f"{int((~pool & (preds == c)).sum()):,}",
         ]
@@ -133,6 +138,7 @@ def pool_section(run: Path, clustering: dict, class_names: list[str], n_clusters
 def run_pool_section(run: Path, clustering: dict) -> str:
     """`pool_section` of the run folder `run`, with the class names and the number of clusters of its checkpoint."""
     from .checkpoint import load_checkpoint
+    from .cluster_names import read_names
 
     state = load_checkpoint(run)
-    return pool_section(run, clustering, list(state["class_names"]), len(state["centers"]))
+    return pool_section(run, clustering, list(state["class_names"]), len(state["centers"]), read_names(run))

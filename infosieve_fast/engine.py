@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import distributed as dist
-from .compiling import CompileOutcome, check_compile_setting, compile_with_fallback, compiled_modules
+from .compiling import CompileOutcome, check_compile_setting, compile_with_fallback, compiled_modules, probe_stage
 from .config import Config
 from .data import InMemoryGCD, build_source
 from .data.augment import AugmentConfig, DeviceAugment
@@ -446,7 +446,8 @@ class Trainer:
 
     def compile_once(self) -> dict:
         """`train.compile`, before the first epoch of this process (`train_epoch` calls it): the epoch record's
-        `compile` (the path that runs) and `seconds_compile` (what this call paid: 0 once done)."""
+        `compile` (the path that runs), `compile_graphs` (each module class's outcome) and `seconds_compile` (what
+        this call paid: 0 once done)."""
         paid = 0.0
         if self.compiled is None:
             status = status_line(f"train.compile={self.cfg.train.compile}: compiling")
@@ -455,38 +456,44 @@ class Trainer:
             )
             status.close()
             paid = self.compiled.seconds
-        return {"compile": self.compiled.path, "seconds_compile": paid}
+        return {"compile": self.compiled.path, "compile_graphs": self.compiled.graphs, "seconds_compile": paid}
 
     def _trace_graphs(self) -> None:
         """Run every graph a run uses once, at its shapes: the step's forward and backward (both views of a batch)
-        and the feature pass's forward. Parameters, buffers, gradients and the RNG are left as they were."""
+        and the feature pass's forward, each a named `probe_stage`. Parameters, buffers, gradients, the RNG and the
+        training mode are left as they were, also when a stage fails (compiling goes on without the failing class)."""
         d, model = self.cfg.data, self.model
-        buffers = [b.clone() for b in model.buffers()]
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            shape = (len(d.mean), d.crop_size, d.crop_size)  # the images' channels, as the augmentation checks
-            with self.autocast():
-                out = model(torch.zeros(2 * d.batch_size, *shape, device=self.device))
-            (out.projection.sum() + out.backbone.float().sum()).backward()
-            model.eval()
-            with torch.no_grad(), self.autocast():
-                self._trace_feature_passes(torch.zeros(d.feature_batch_size, *shape, device=self.device))
-            model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for buffer, saved in zip(model.buffers(), buffers, strict=True):
-                buffer.copy_(saved)
+        buffers, training = [b.clone() for b in model.buffers()], model.training
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                shape = (len(d.mean), d.crop_size, d.crop_size)  # the images' channels, as the augmentation checks
+                with self.autocast(), probe_stage("the step's forward"):
+                    out = model(torch.zeros(2 * d.batch_size, *shape, device=self.device))
+                with probe_stage("the step's backward"):
+                    (out.projection.sum() + out.backbone.float().sum()).backward()
+                model.eval()
+                with torch.no_grad(), self.autocast():
+                    self._trace_feature_passes(torch.zeros(d.feature_batch_size, *shape, device=self.device))
+        finally:
+            model.train(training)
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for buffer, saved in zip(model.buffers(), buffers, strict=True):
+                    buffer.copy_(saved)
 
     def _trace_feature_passes(self, x: Tensor) -> None:
         """The forwards of the feature passes at their one batch size (`_full_batch`): backbone features and the
         codes' pass (the whole model), on images and, where the token cache may hold the frozen prefix's output, on
         that output as the cache records and replays it."""
         model = self.model
-        inputs = [x]
+        with probe_stage("the feature passes on images"):
+            model.features(x)
+            model(x)
         if model.backbone.prefix_is_pure:
-            inputs.append(PrefixTokens(model.backbone.frozen_tokens(x)))
-        for batch in inputs:
-            model.features(batch)
-            model(batch)
+            with probe_stage("the feature passes on the token cache's frozen-prefix output"):
+                tokens = PrefixTokens(model.backbone.frozen_tokens(x))
+                model.features(tokens)
+                model(tokens)
 
     def steps_per_epoch(self) -> int:
         """Training steps of an epoch: full global batches of the readable samples, capped by

@@ -5,7 +5,8 @@ centre crop, normalise. Its L2-normalised backbone feature then goes to the near
 centres, except an image the run itself clustered (one of its own-images pool, recognised by content,
 `run_assignment.py`): that one keeps the run's final cluster, so the run and predict give one answer per image.
 The run folder's checkpoint holds those centres and the class names. Clusters 0..n_old-1 are the known
-classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k is named `novel-<k>`.
+classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k is named `novel-<k>`,
+or what `infosieve name` named it (RUN/names.json).
 
 `PATH` can be one of:
 - an image folder, searched recursively;
@@ -45,6 +46,7 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from .best_checkpoint import describe
 from .best_checkpoint import load as load_run_checkpoint
+from .cluster_names import read_names
 from .config import from_saved
 from .data.augment import AugmentConfig, DeviceAugment
 from .data.decode import pad_into
@@ -220,7 +222,7 @@ def predict(
     # the last checkpoint's clustering is the run's final one (clustering.npz); the best's is computed again
     assignments = run_assignments(run_dir, d.shards, image_keys) if checkpoint == "last" else None
     centers = centers_from_run(run_dir, state, checkpoint).to(dev).float()
-    sorter = ImageSorter(model, centers, state, assignments)
+    sorter = ImageSorter(model, centers, state, assignments, read_names(run_dir))
     bar = tqdm(total=len(items), desc="predict", unit="img", disable=not progress)
     for tried, paths, imgs, keys in _batches(items, batch_size, sorter.shorter, sorter.channels, assignments):
         bar.update(tried)
@@ -246,13 +248,17 @@ def predict(
 
 class ImageSorter:
     """The records of `predict`: per image its cluster (the run's own for an image the run clustered, else the
-    nearest centre), name, margin, code, prefix and tree path."""
+    nearest centre), name (`given`: the names RUN/names.json gives novel clusters), margin, code, prefix and tree
+    path."""
 
-    def __init__(self, model: InfoSieve, centers: Tensor, state: dict, assignments: RunAssignments | None):
+    def __init__(
+        self, model: InfoSieve, centers: Tensor, state: dict, assignments: RunAssignments | None, given: dict[int, str]
+    ):
         cfg = from_saved(state["config"])
         d = cfg.data
         self.model, self.centers, self.assignments = model, centers, assignments
         self.names, self.n_old = state.get("class_names") or [], model.labeller.categorizer[-1].out_features
+        self.given = given
         self.augment = DeviceAugment(AugmentConfig(d.crop_size, False, tuple(d.mean), tuple(d.std)))
         self.shorter = int(d.crop_size / 0.875)  # the reference: Resize(int(224 / 0.875)) = 256, then CenterCrop(224)
         self.channels = int(cfg.model.backbone_kwargs.get("in_chans", 3))
@@ -264,7 +270,7 @@ class ImageSorter:
         canvas, sizes = pad_into(imgs)
         uniform = bool((sizes == sizes[:1]).all())
         dev = self.centers.device
-        x = self.augment.test_view(canvas.to(dev), None if uniform else sizes.to(dev))
+        x = self.augment.test_view(canvas.to(dev), None if uniform else sizes)
         for path, key, nearest, margin, code, prefix in zip(
             paths, keys, *sort_batch(self.model, x, self.centers), strict=True
         ):
@@ -273,7 +279,7 @@ class ImageSorter:
             cluster = nearest if own is None else own
             self.counts[cluster] += 1
             tree_path = [prefix[: i + 1] for i in range(len(prefix))]
-            name = cluster_name(cluster, self.names, self.n_old)
+            name = cluster_name(cluster, self.names, self.n_old, self.given)
             values = (path, cluster, name, round(margin, 6), code, prefix, tree_path)
             self.records.append(dict(zip(FIELDS, values, strict=True)))
 

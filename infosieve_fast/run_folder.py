@@ -460,10 +460,24 @@ def read_run(run_dir: str | Path, checkpoint: str = "last") -> tuple[Trainer, st
 
 
 def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last") -> dict:
-    """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`, and under "checkpoint" what
-    was read."""
+    """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`, under "checkpoint" what was
+    read and, for the last checkpoint of a run with an unlabelled pool, under "novel_clusters" each novel cluster's
+    place in the tree (cluster_places.py)."""
+    from .cluster_places import run_places
+    from .code_metrics import code_features
+
     trainer, read = read_run(run_dir, checkpoint)
-    return trainer_tree(trainer, max_depth) | {"checkpoint": read}
+    fs = code_features(trainer)
+    tree = trainer_tree(trainer, max_depth, fs) | {"checkpoint": read}
+    if checkpoint == "last" and trainer.centers is not None:  # RUN/clustering.npz is the last checkpoint's
+        length, uq = trainer.cfg.model.code_length, fs.uq.tolist()
+        codes = dict(zip(uq, code_strings(fs.feats[:, :length], fs.feats[:, length:]), strict=True))
+        targets = dict(zip(uq, fs.targets.tolist(), strict=True))
+        names = list(trainer.source.class_names)
+        places = run_places(run_dir, codes, targets, names, len(trainer.centers), max_depth)
+        if places:
+            tree["novel_clusters"] = places
+    return tree
 
 
 def assignment_centers(trainer: Trainer, run_dir: str | Path, checkpoint: str) -> torch.Tensor:
@@ -477,12 +491,13 @@ def assignment_centers(trainer: Trainer, run_dir: str | Path, checkpoint: str) -
     return trainer.centers
 
 
-def trainer_tree(trainer: Trainer, max_depth: int = 8) -> dict:
+def trainer_tree(trainer: Trainer, max_depth: int = 8, fs=None) -> dict:
     """The implicit category tree of a trainer's weights: codes of the train samples (test view), cut by the mask.
-    The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples)."""
+    The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples).
+    `fs`: `code_metrics.code_features(trainer)`, if already computed."""
     from .code_metrics import code_features, evaluate_codes
 
-    fs = code_features(trainer)
+    fs = fs if fs is not None else code_features(trainer)
     length = trainer.cfg.model.code_length
     tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
     tree["measures"] = evaluate_codes(trainer, fs)

@@ -82,6 +82,28 @@ PLAN = [
     ),  # fmt: skip
     Entry(r"infosieve predict --run \S+ --images \S+ --out \S+", "run"),
     Entry(
+        r'infosieve (name --run \S+( novel-\d+=("[^"]*"|\S+))+|export --run \S+ --out \S+)',
+        "parse",
+        "needs a run on your own images (tests/test_discovery_gallery.py names and exports one on real birds)",
+    ),  # fmt: skip
+    Entry(
+        r"infosieve estimate-k --features \S+ --known-classes \d+ --json \S+",
+        "parse",
+        "over a minute on 2 cores; tests/test_estimate_k.py runs the same search on the same features",
+    ),  # fmt: skip
+    Entry(
+        rf"infosieve make-shards --dataset {DATASETS} .*",
+        "parse",
+        "needs the dataset download "
+        "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run the layouts on stand-ins)",
+    ),  # fmt: skip
+    Entry(
+        r"infosieve make-shards --dataset discovery .*",
+        "parse",
+        "needs your own images (tests/test_discovery.py runs the same command on a folder of real birds it builds)",
+    ),  # fmt: skip
+    Entry(r"infosieve train --config configs/(dinov2-)?cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
+    Entry(
         r"infosieve estimate-k --features \S+ --known-classes \d+ --json \S+",
         "parse",
         "over a minute on 2 cores; tests/test_estimate_k.py runs the same search on the same features",
