@@ -33,7 +33,7 @@ import torch
 from benchmarks import smoke
 from benchmarks.harness import throughput, timed
 from benchmarks.pooled_shards import write_pooled_shards
-from benchmarks.provenance import device_name, emit_json
+from benchmarks.tools.provenance import device_name, emit_json
 from infosieve_fast.config import load_config
 from infosieve_fast.data import build_source
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment

@@ -47,7 +47,7 @@ import torch
 import infosieve_kernels as kernels
 from benchmarks import datasheet, kernel_roofline, smoke
 from benchmarks.harness import Stopwatch, call_times, sync, timed
-from benchmarks.provenance import device_name, emit_json, versions
+from benchmarks.tools.provenance import device_name, emit_json, versions
 from infosieve_fast.precision import set_cuda_matmul_tf32
 from infosieve_kernels import reference
 

@@ -38,8 +38,8 @@ import torch
 
 from benchmarks import smoke
 from benchmarks.harness import call_times, sync, timed
-from benchmarks.provenance import device_name, emit_json, git_state, versions
 from benchmarks.published.kmeans import ReferenceSSKMeans, sqdist
+from benchmarks.tools.provenance import device_name, emit_json, git_state, versions
 from infosieve_fast.kmeans import faiss_available, semi_supervised_kmeans
 
 CASES = {"a": (6000, 768, 200), "b": (127000, 768, 100)}

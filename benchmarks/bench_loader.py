@@ -42,7 +42,7 @@ import torch
 from benchmarks import smoke
 from benchmarks.cub_subset import write_cub_subset
 from benchmarks.harness import timed
-from benchmarks.provenance import emit_json, versions
+from benchmarks.tools.provenance import emit_json, versions
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.data.layouts import read_dataset
 from infosieve_fast.data.shards import make_shards

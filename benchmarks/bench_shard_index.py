@@ -19,7 +19,7 @@ from pathlib import Path
 
 from benchmarks import smoke
 from benchmarks.harness import timed
-from benchmarks.provenance import emit_json
+from benchmarks.tools.provenance import emit_json
 from infosieve_fast.config import IntakeConfig
 from infosieve_fast.data.stream import ShardSource
 

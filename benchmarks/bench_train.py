@@ -67,7 +67,7 @@ epochs measured alongside that same variant.
     python -m benchmarks.bench_train --device cpu --backbone vit_tiny_patch16_224 --batch 8 --steps 20 --warmup 3
     pytest benchmarks/bench_train.py          # the same small CPU case through pytest-benchmark
 
-Prints one JSON document at the end (`benchmarks.provenance.emit_json`); with --json it is also written there after
+Prints one JSON document at the end (`benchmarks.tools.provenance.emit_json`); with --json it is written there after
 every variant, so a run cut short keeps what it measured. INFOSIEVE_BENCH_SMOKE=1 (benchmarks/smoke.py) runs 2 steps
 after 1 warm-up step and gives every size left at its default its smoke value (`SMOKE_*` below).
 """
@@ -90,8 +90,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import datasheet, smoke
 from benchmarks.harness import Stopwatch, at, call_times, sync, timed
-from benchmarks.provenance import device_name, emit_json, stamp, versions
 from benchmarks.published import train as published
+from benchmarks.tools.provenance import device_name, emit_json, stamp, versions
 from infosieve_fast import checkpoint as ckpt
 from infosieve_fast.config import apply_overrides, from_dict
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment

@@ -32,7 +32,7 @@ from pathlib import Path
 from benchmarks import smoke
 from benchmarks.cub_subset import REALDATA, write_cub_subset
 from benchmarks.harness import timed
-from benchmarks.provenance import ROOT, device_name, emit_json, git_state
+from benchmarks.tools.provenance import ROOT, device_name, emit_json, git_state
 from infosieve_fast import checkpoint as ckpt
 from infosieve_fast.config import LossConfig, ModelConfig, config_drift, load_config
 

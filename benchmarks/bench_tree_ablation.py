@@ -31,7 +31,7 @@ from benchmarks import smoke
 from benchmarks.bench_tree import CONFIG, reference_overrides
 from benchmarks.cub_subset import REALDATA, write_cub_subset
 from benchmarks.harness import Stopwatch
-from benchmarks.provenance import ROOT, device_name, emit_json, git_state
+from benchmarks.tools.provenance import ROOT, device_name, emit_json, git_state
 from infosieve_fast.config import load_config
 from infosieve_fast.data.memory import InMemoryGCD
 

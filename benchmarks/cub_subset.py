@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from benchmarks.provenance import ROOT
+from benchmarks.tools.provenance import ROOT
 
 REALDATA = Path(os.environ.get("INFOSIEVE_REALDATA", ROOT.parent / "shared" / "realdata"))
 

@@ -10,7 +10,7 @@ k-means rounds as well as kernels, do_bench flushes the L2 cache before every ca
 committed so far do not measure), picks its repeat count from a time target instead of the benchmark's `--reps` and
 time budget, and gives no host-side issue time, which bench_kernels reports next to the device time.
 
-Provenance and JSON output are in `benchmarks/provenance.py` (`stamp`, `emit_json`, `device_name`, `versions`); sizes
+Provenance and JSON output: `benchmarks/tools/provenance.py` (`stamp`, `emit_json`, `device_name`, `versions`); sizes
 for CI in `benchmarks/smoke.py`. A CPU benchmark's JSON opens with `cpu_report` (provenance, the command, the machine
 and its load) and is closed by `finish_cpu_report`.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.provenance import device_name, emit_json, stamp, versions
+from benchmarks.tools.provenance import device_name, emit_json, stamp, versions
 
 
 def sync(device: torch.device) -> None:

@@ -1,6 +1,6 @@
 """Smoke size: with INFOSIEVE_BENCH_SMOKE=1 every benchmark runs its documented command's code paths and flags at tiny
 shapes, so CI can run each command that README.md and docs/ show (tests/test_documented_commands.py) and a rehearsal
-of benchmarks/gpu_check.sh. Each script names its own tiny sizes next to its defaults; results say `"smoke": true`."""
+of benchmarks/tools/gpu_check.sh. Each script names its tiny sizes by its defaults; results say `"smoke": true`."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The tree hash covers the code (`CODE_PATHS`; results and caches excluded) and is computed from the files, so it is the
 same on a machine whose copy of the tree has no `.git`. `commit_tree_hash(C)` is the hash of commit C's code, to check
 a recorded `tree_hash` against the commit it names. Run folders (`fingerprint.py`) and benchmark results
-(`benchmarks/provenance.py`) both record these.
+(`benchmarks/tools/provenance.py`) both record these.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/check_doc_numbers.py: every performance number in README.md and docs/ appears in a committed result file.
+"""benchmarks/tools/check_doc_numbers.py: every performance number in README.md and docs/ is in a committed result file.
 
 The matcher is tested on hand-made docs and result files whose outcomes are worked out by hand below; the last tests
 run the check over the real docs and benchmarks/results/."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import check_doc_numbers as cdn
+from benchmarks.tools import check_doc_numbers as cdn
 
 
 def _verdicts(tmp_path: Path, doc: str, results: dict[str, object]) -> list[cdn.Verdict]:

@@ -9,7 +9,7 @@ one entry of `PLAN`:
   a run;
 - parse: commands that need what CI cannot have (a dataset download, pretrained DINO weights, several GPUs): their
   arguments are parsed by the real command-line parser, so a renamed flag still fails;
-- gpu: a CUDA command of benchmarks/gpu_check.sh, whose CPU rehearsal runs here;
+- gpu: a CUDA command of benchmarks/tools/gpu_check.sh, whose CPU rehearsal runs here;
 - ci: installing and testing, which CI itself does.
 A command that matches no entry fails the test: a new documented command must say how it is checked. A ```sh block
 holds a SLURM batch script: it runs as a whole, with stand-ins for `srun` and `scontrol` (`test_slurm_script_...`).
@@ -169,15 +169,15 @@ PLAN = [
     Entry(
         r"python -m benchmarks\.bench_kmeans --device cuda .*",
         "gpu",
-        "CUDA: benchmarks/gpu_check.sh runs it, and its CPU rehearsal runs here (the gpu_check.sh entry)",
+        "CUDA: benchmarks/tools/gpu_check.sh runs it, and its CPU rehearsal runs here (the gpu_check.sh entry)",
     ),  # fmt: skip
-    Entry(r"python -m benchmarks\.(bench|check|gpu)_\w+( .*)?", "run"),
+    Entry(r"python -m benchmarks\.(bench_|tools\.(check|gpu)_)\w+( .*)?", "run"),
     Entry(
         r"(GPU_CHECK_COMMIT=\$\(git rev-parse HEAD\) RESULTS_DIR=\S+ |INFOSIEVE_BENCH_SMOKE=1 )"
-        r"bash benchmarks/gpu_check\.sh",
+        r"bash benchmarks/tools/gpu_check\.sh",
         "run",
     ),
-    Entry(r"python -m benchmarks\.provenance( --commit \S+)?", "run"),
+    Entry(r"python -m benchmarks\.tools\.provenance( --commit \S+)?", "run"),
 ]
 
 
@@ -223,9 +223,10 @@ def test_every_documented_command_has_a_plan():
 
 def test_every_benchmark_script_is_run_by_a_documented_command_or_the_gpu_check():
     shown = " ".join(c for _, c in documented_commands())
-    gpu_check = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
-    scripts = [p for p in (ROOT / "benchmarks").glob("*.py") if p.name.startswith(("bench_", "gpu_", "check_"))]
-    missing = [p.name for p in scripts if not re.search(rf"-m benchmarks\.{p.stem}(\s|$)", shown + " " + gpu_check)]
+    gpu_check = (ROOT / "benchmarks" / "tools" / "gpu_check.sh").read_text()
+    scripts = [p for p in (ROOT / "benchmarks").rglob("*.py") if p.name.startswith(("bench_", "gpu_", "check_"))]
+    modules = {p.name: ".".join(p.relative_to(ROOT).with_suffix("").parts) for p in scripts}
+    missing = [n for n, m in modules.items() if not re.search(rf"-m {re.escape(m)}(\s|$)", shown + " " + gpu_check)]
     assert not missing, f"benchmarks run by no documented command and not by gpu_check.sh: {missing}"
 
 

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from benchmarks import provenance
+from benchmarks.tools import provenance
 from infosieve_fast import fingerprint, precision, source_tree
 from infosieve_fast.checkpoint import read_log
 from infosieve_fast.config import load_config

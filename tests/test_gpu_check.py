@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh: its queue (the steps in the order of their value, limits that sum to the budget), and its
+"""benchmarks/tools/gpu_check.sh: its queue (the steps in order of value, limits that sum to the budget), and its
 step selection (GPU_CHECK_STEPS) on the CPU rehearsal: the named steps run and land in the archive, the others say
 they were not selected, and an unknown name is refused before anything runs."""
 
@@ -10,7 +10,7 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SCRIPT = ROOT / "benchmarks" / "tools" / "gpu_check.sh"
 # issue 32's queue: the preflight, then what has never run on a GPU and what the targets need most, the rest last
 VALUE_ORDER = ["preflight", "train-step", "kmeans-in1k", "epoch-in1k", "cache-herb19", "parity", "cub-epoch",
                "kernels", "resume", "demo"]  # fmt: skip
@@ -33,7 +33,7 @@ def test_only_the_selected_steps_run(tmp_path):
     assert {"preflight.json", "preflight.log", "targets.json"} <= names
     assert "kmeans-imagenet1k.json" not in names and "kernels.json" not in names
     assert "preflight: ok" in summary
-    assert "| issue | target | measured | bound | holds | from |" in summary  # benchmarks/gpu_targets.py's table
+    assert "| issue | target | measured | bound | holds | from |" in summary  # benchmarks/tools/gpu_targets.py's table
     for name in VALUE_ORDER[1:]:
         assert f"{name}: not selected (GPU_CHECK_STEPS=preflight)" in summary, name
 

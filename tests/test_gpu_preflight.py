@@ -1,4 +1,4 @@
-"""`benchmarks/gpu_preflight.py`: every check reports instead of raising, and each can fail."""
+"""`benchmarks/tools/gpu_preflight.py`: every check reports instead of raising, and each can fail."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 
 import torch
 
-from benchmarks import gpu_preflight as pf
+from benchmarks.tools import gpu_preflight as pf
 from infosieve_fast.data import decode
 from infosieve_kernels import code_head_triton, reference
 

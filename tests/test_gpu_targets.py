@@ -1,4 +1,4 @@
-"""benchmarks/gpu_targets.py: each target's value read from the right result and key, judged against its bound by
+"""benchmarks/tools/gpu_targets.py: each target's value read from the right result and key, judged against its bound by
 hand; smoke-size results judged never; the archive unpacked under the card's name and never over a file."""
 
 import io
@@ -7,7 +7,7 @@ import tarfile
 
 import pytest
 
-from benchmarks import gpu_targets
+from benchmarks.tools import gpu_targets
 
 RESULTS = {
     "kmeans-imagenet1k.json": {

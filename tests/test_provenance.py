@@ -1,4 +1,4 @@
-"""benchmarks/provenance.py: the tree hash that proves which code a result came from, and the versions a result
+"""benchmarks/tools/provenance.py: the tree hash that proves which code a result came from, and the versions a result
 names."""
 
 import json
@@ -10,7 +10,7 @@ import numpy
 import pytest
 import torch
 
-from benchmarks import provenance
+from benchmarks.tools import provenance
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:

@@ -1,8 +1,8 @@
 """A few seconds before any GPU benchmark: is the GPU there, does nvJPEG decode, do a Triton kernel, an Inductor
 compile and a CUDA graph run and agree?
 
-    python -m benchmarks.gpu_preflight --device cuda --json RESULTS/preflight.json   # on the GPU machine
-    python -m benchmarks.gpu_preflight --device cpu                                  # CI: Triton's interpreter
+    python -m benchmarks.tools.gpu_preflight --device cuda --json RESULTS/preflight.json   # on the GPU machine
+    python -m benchmarks.tools.gpu_preflight --device cpu                                  # CI: Triton's interpreter
 
 Checks, each reported as "ok", "failed" (with the error text) or "skipped: <why>"; a check never raises:
 - gpu: the device's name, memory, compute capability and multiprocessor count (skipped on the CPU; failed when
@@ -42,7 +42,7 @@ if not torch.cuda.is_available():  # Triton reads it once, when first imported (
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.harness import Stopwatch, sync  # noqa: E402
-from benchmarks.provenance import device_name, emit_json, versions  # noqa: E402
+from benchmarks.tools.provenance import device_name, emit_json, versions  # noqa: E402
 from infosieve_fast.data import decode  # noqa: E402
 
 NVJPEG_MEAN_TOLERANCE = 2.0  # levels of 255, as tests/test_data_stream_exact.py's GPU test

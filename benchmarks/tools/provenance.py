@@ -2,7 +2,7 @@
 the device and the versions of what ran it; benchmarks take these from here only. The commit and the tree hash come
 from `infosieve_fast/source_tree.py` (run folders record the same).
 
-`python -m benchmarks.provenance --commit C` prints the hash of commit C's code, to check a result's `tree_hash`
+`python -m benchmarks.tools.provenance --commit C` prints the hash of commit C's code, to check a result's `tree_hash`
 against the commit it names.
 """
 

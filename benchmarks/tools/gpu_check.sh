@@ -3,7 +3,7 @@
 # (GPU_CHECK_BUDGET_S: 360 s on an H100, 300 s on an H200), so that 15 minutes of device time leave room to start the
 # machine and to rerun what a first run could not finish.
 #
-#   GPU_CHECK_COMMIT=$(git rev-parse HEAD) RESULTS_DIR=$OUT bash benchmarks/gpu_check.sh
+#   GPU_CHECK_COMMIT=$(git rev-parse HEAD) RESULTS_DIR=$OUT bash benchmarks/tools/gpu_check.sh
 #
 # CPU rehearsal (CI runs it): INFOSIEVE_BENCH_SMOKE=1 makes every step run on the CPU at its script's smoke size, its
 # archive going to RESULTS_DIR or a temporary folder.
@@ -28,8 +28,8 @@
 #   kernels      15  bench_kernels, the training shapes first, each case written as it ends
 #   resume       15  a run killed after epoch 1 and resumed on CUDA; a step under set_sync_debug_mode("error")
 #   demo         20  the demo on CUDA (its projection head compiled first)
-# Then the issues' targets against what the run measured (benchmarks/gpu_targets.py) go into summary.txt and
-# targets.json. To commit a run: python -m benchmarks.gpu_targets <card>-gpu-check.tar.gz --into benchmarks/results
+# Then the issues' targets against what the run measured (benchmarks/tools/gpu_targets.py) go into summary.txt and
+# targets.json. To commit one: python -m benchmarks.tools.gpu_targets <card>-gpu-check.tar.gz --into benchmarks/results
 # (each file as <card>-<file>, never over an existing one).
 #
 # Everything lands in one archive, RESULTS_DIR/<card>-gpu-check.tar.gz (<card>: a slug of the GPU's name), packed
@@ -39,7 +39,7 @@
 # names the commit (the device copy of the tree may hold a stale .git); GPU_CHECK_DIRTY=1 marks an uncommitted tree.
 # The tree hash in every JSON is computed from the files that ran.
 set -u
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")/../.." || exit 2
 SMOKE=${INFOSIEVE_BENCH_SMOKE:-0}
 default_results=benchmarks/results
 [ "$SMOKE" = 1 ] && default_results=${TMPDIR:-/tmp}/infosieve-gpu-check-rehearsal  # never beside real results
@@ -74,7 +74,7 @@ elif git rev-parse HEAD >/dev/null 2>&1; then
 else
   dirty=unknown
 fi
-export INFOSIEVE_COMMIT=$commit INFOSIEVE_DIRTY=$dirty  # read by the benchmarks (benchmarks/provenance.py)
+export INFOSIEVE_COMMIT=$commit INFOSIEVE_DIRTY=$dirty  # read by the benchmarks (benchmarks/tools/provenance.py)
 
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 [ "$DEVICE" = cpu ] && gpu_name="cpu rehearsal"
@@ -127,7 +127,7 @@ step() {  # step NAME LIMIT_S CMD...: run under min(LIMIT_S scaled to the budget
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $commit dirty=$dirty tree_hash=$("$PY" -m benchmarks.provenance)"
+  echo "commit: $commit dirty=$dirty tree_hash=$("$PY" -m benchmarks.tools.provenance)"
   echo "budget: ${BUDGET}s of work (limits sum to ${LIMITS_TOTAL_S}s, scaled by ${BUDGET}/${LIMITS_TOTAL_S}); steps: ${GPU_CHECK_STEPS:-all}"
   nvidia-smi 2>/dev/null || echo "nvidia-smi: not available"
 } >"$out/env.txt" 2>&1
@@ -135,7 +135,8 @@ cp "$out/env.txt" "$summary"
 
 require_gpu=()
 [ "$DEVICE" = cuda ] && require_gpu=(--require-gpu)
-step preflight 25 "$PY" -m benchmarks.gpu_preflight --device "$DEVICE" "${require_gpu[@]}" --json "$out/preflight.json"
+step preflight 25 "$PY" -m benchmarks.tools.gpu_preflight --device "$DEVICE" "${require_gpu[@]}" \
+  --json "$out/preflight.json"
 
 step train-step 80 "$PY" -m benchmarks.bench_train --device "$DEVICE" \
   --variants published_fp32,published_bf16,fast_default,fast_eager,fast_graph,fast_all --json "$out/train-step.json"
@@ -169,8 +170,8 @@ step demo 20 "$PY" -m infosieve_fast.cli train --config configs/demo.yaml --out 
   --set train.device="$DEVICE" "${demo_epochs[@]}"
 cp "$work/demo-run/metrics.json" "$out/demo-metrics.json" 2>/dev/null
 
-# the issues' targets against this run's results (benchmarks/gpu_targets.py), into the summary and targets.json
-{ echo; "$PY" -m benchmarks.gpu_targets "$out" --json "$out/targets.json"; } >>"$summary" 2>&1 \
+# the issues' targets against this run's results (benchmarks/tools/gpu_targets.py), into the summary and targets.json
+{ echo; "$PY" -m benchmarks.tools.gpu_targets "$out" --json "$out/targets.json"; } >>"$summary" 2>&1 \
   || echo "targets: FAILED (see above)" >>"$summary"
 pack
 

@@ -1,7 +1,7 @@
 """Check that every performance number in README.md and docs/*.md appears in a committed result file.
 
-    python -m benchmarks.check_doc_numbers          # lists the unmatched numbers; exit status 1 if there are any
-    python -m benchmarks.check_doc_numbers --all    # every number: where it was found, or why it is exempt
+    python -m benchmarks.tools.check_doc_numbers          # lists the unmatched numbers; exit status 1 if there are any
+    python -m benchmarks.tools.check_doc_numbers --all    # every number: where it was found, or why it is exempt
 
 What counts as a performance number (prose and tables; fenced code blocks and inline `code` are skipped):
 - a time: µs, ms, s, seconds, min, minutes ("1 min 18 s" is one time, 78 s);
@@ -57,7 +57,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 # written unit -> (quantity, factor to the quantity's base unit: s, bytes, items/s, FLOP/s, bytes/s, 1, fraction)

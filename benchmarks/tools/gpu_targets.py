@@ -1,8 +1,8 @@
 """The GPU issues' targets against what one gpu_check.sh run measured: one row per target with the measured value,
 the result file and key it comes from, and whether it holds ("owed" where the run has no value for it).
 
-    python -m benchmarks.gpu_targets RESULTS_FOLDER                  # gpu_check.sh's <card>/ folder: the table
-    python -m benchmarks.gpu_targets ARCHIVE --into benchmarks/results   # unpack <card>-gpu-check.tar.gz as
+    python -m benchmarks.tools.gpu_targets RESULTS_FOLDER                  # gpu_check.sh's <card>/ folder: the table
+    python -m benchmarks.tools.gpu_targets ARCHIVE --into benchmarks/results   # unpack <card>-gpu-check.tar.gz as
                                                                          # <card>-<file> there, then the table
 
 gpu_check.sh runs the first form as its last step, so the table is in the archive's summary.txt. Unpacking never
