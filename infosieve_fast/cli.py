@@ -51,7 +51,8 @@ def _train(args: argparse.Namespace) -> int:
     with distributed.process_group_from_env(wants_cuda(cfg.train.device)):  # torchrun: every rank, one run folder
         stamp = distributed.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
         run_dir = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{stamp}"
-        _interruptible(lambda: train(cfg, run_dir), run_dir)
+        resume = args.resume == AUTO and _resume_automatically(cfg, args, run_dir)
+        _interruptible(lambda: train(cfg, run_dir, resume=resume), run_dir)
     return 0
 
 
