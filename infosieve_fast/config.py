@@ -276,6 +276,9 @@ def _lookup(values: dict, dotted: str):
 def _build(cls, values: dict, prefix: str):
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {values!r}")
+    not_names = [k for k in values if not isinstance(k, str)]  # YAML keys may be null, numbers, ...
+    if not_names:
+        raise ConfigError(f"{prefix or 'config'} keys must be names, got {not_names[:3]!r}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
@@ -384,9 +387,11 @@ def load_config(path: str | Path | None, overrides: list[str] = (), saved: bool 
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: pass an existing YAML file (see configs/)")
         try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({err}): save it as UTF-8") from None
+        except yaml.YAMLError as err:  # PyYAML's text spans lines: one line here
+            raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from None
         _absolute_paths(values, path.parent)
         if saved:
             values = upgrade_saved(values)

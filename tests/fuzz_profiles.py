@@ -13,15 +13,15 @@ from contextlib import contextmanager
 from hypothesis import HealthCheck, settings
 
 _COMMON = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-settings.register_profile("ci", max_examples=60, **_COMMON)
-settings.register_profile("thorough", max_examples=2000, **_COMMON)
+settings.register_profile("ci", max_examples=40, **_COMMON)
+settings.register_profile("thorough", max_examples=1000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def scaled(n: int) -> int:
-    """`n` cases under `ci` for a test whose cases are slow (a process, a server, a folder tree), x20 under
+    """`n` cases under `ci` for a test whose cases are slow (a server, a folder tree, a shards folder), x40 under
     `thorough`."""
-    return n * 20 if settings.default.max_examples >= 1000 else n
+    return n * 40 if settings.default.max_examples >= 1000 else n
 
 
 @contextmanager

@@ -84,12 +84,15 @@ def _is_png(encoded: Tensor) -> bool:
 
 
 def decode_cpu(data: bytes | memoryview | Tensor) -> Tensor:
-    """JPEG or PNG bytes -> RGB uint8 [3, H, W] (the format is read from the bytes)."""
+    """JPEG or PNG bytes -> RGB uint8 [3, H, W] (the format is read from the bytes). A 16-bit PNG (another tool's
+    shard) keeps its high byte, as torchvision's `convert_image_dtype` does: torchvision decodes it to uint16, which a
+    uint8 batch would otherwise wrap."""
     buf = data if isinstance(data, Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if _is_png(buf):
-            return decode_png(buf, mode=ImageReadMode.RGB)
+            img = decode_png(buf, mode=ImageReadMode.RGB)
+            return (img.to(torch.int32) >> 8).to(torch.uint8) if img.dtype == torch.uint16 else img
         return decode_jpeg(buf, mode=ImageReadMode.RGB)
 
 

@@ -19,16 +19,43 @@ DISCOVERY_LAYOUT = (
 
 
 def _walk_images(directory: Path) -> tuple[list[str], list[str]]:
-    """(image files, other files) under `directory`, in sorted os.walk order (links followed)."""
+    """(image files, other files) under `directory`, in sorted os.walk order (links followed, each folder once: a
+    link back up the tree would list its images again at every level)."""
+    walked, seen = [], set()
+    for dirpath, dirnames, fnames in os.walk(directory, followlinks=True):
+        dirnames.sort()  # the first of two paths to one folder is the one listed
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames.clear()
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        walked.append((dirpath, fnames))
     images, others = [], []
-    for dirpath, _, fnames in sorted(os.walk(directory, followlinks=True)):
+    for dirpath, fnames in sorted(walked):
         for fname in sorted(fnames):
             (images if fname.lower().endswith(IMG_EXTENSIONS) else others).append(os.path.join(dirpath, fname))
     return images, others
 
 
+def _refuse_linked_twice(paths: list[str], root: Path) -> None:
+    """A LayoutError when links make two of `paths` one file: it would be read twice, maybe under two labels."""
+    first: dict[str, str] = {}
+    for p in paths:
+        seen = first.setdefault(os.path.realpath(p), p)
+        if seen != p:
+            raise LayoutError(
+                f"{_few([seen, p], root)} are one file (reached through a link): "
+                "each image must appear once; remove the link or the copy"
+            )
+
+
+def _shown(name: str) -> str:
+    """`name` as a message shows it: quoted and escaped when it holds a newline or another unprintable character."""
+    return name if name.isprintable() else repr(name)
+
+
 def _few(paths: list[str], root: Path, n: int = 3) -> str:
-    shown = ", ".join(os.path.relpath(p, root) for p in paths[:n])
+    shown = ", ".join(_shown(os.path.relpath(p, root)) for p in paths[:n])
     return shown + (", ..." if len(paths) > n else "")
 
 
@@ -55,7 +82,7 @@ def _labelled_images(labelled: Path, root: Path) -> tuple[list[str], list[str], 
     if empty:
         raise LayoutError(
             f"{len(empty)} of the {len(classes)} class folders under {labelled} hold no images "
-            f"({', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}): add images of those classes "
+            f"({', '.join(map(_shown, empty[:5]))}{', ...' if len(empty) > 5 else ''}): add images of those classes "
             f"or remove the folders (images end in {', '.join(IMG_EXTENSIONS)})"
         )
     return classes, paths, labels, others
@@ -75,6 +102,7 @@ def read_discovery(root: Path) -> RawDataset:
             "images to sort there (to train on labelled images alone, use --dataset imagefolder)"
         )
     others += rest
+    _refuse_linked_twice(paths + pool, root)
     notes = [
         f"discovery: {len(classes)} known classes ({len(paths):,} labelled images), {len(pool):,} unlabelled "
         "images; the number of novel classes is unknown (train with kmeans.n_clusters: auto or a number)"

@@ -128,6 +128,55 @@ def shard_file_problems(records: list[dict], paths: list[str], verify: bool) -> 
 # ---- the manifest ----------------------------------------------------------------------------------------------
 
 
+class ManifestError(ValueError):
+    """A `manifest.json` the reader cannot use: the message names the file, what is wrong, and the way out."""
+
+
+def _field(manifest: dict, path: str, kinds: tuple, where: Path):
+    """The value at `path` ("splits.train.n") of the manifest, which must be one of `kinds` (bool is no int)."""
+    value = manifest
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ManifestError(f"{where}: no {path!r}: {_REMAKE}")
+        value = value[part]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ManifestError(f"{where}: {path!r} is {value!r}, not {' or '.join(k.__name__ for k in kinds)}: {_REMAKE}")
+    return value
+
+
+_REMAKE = "the manifest is damaged or not make-shards' (run make-shards again into a new --out)"
+
+
+def read_manifest(folder: Path, split: str) -> dict:
+    """`folder`'s manifest.json, its fields the reader of `split` uses checked; `ManifestError` naming the file."""
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ManifestError(f"{path} is not valid JSON ({err}): {_REMAKE}") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{path} holds a {type(manifest).__name__}, not an object: {_REMAKE}")
+    _field(manifest, "dataset", (str,), path)
+    if _field(manifest, "resize", (int,), path) < 1 or _field(manifest, "n_old", (int,), path) < 0:
+        raise ManifestError(f"{path}: resize {manifest['resize']} or n_old {manifest['n_old']} is out of range")
+    _field(manifest, "n_classes", (int, type(None)), path)
+    if not all(isinstance(n, str) for n in _field(manifest, "classes.names", (list,), path)):
+        raise ManifestError(f"{path}: 'classes.names' holds a name that is not a string: {_REMAKE}")
+    if _field(manifest, f"splits.{split}.n", (int,), path) < 0:
+        raise ManifestError(f"{path}: 'splits.{split}.n' is negative: {_REMAKE}")
+    for i, _ in enumerate(_field(manifest, f"splits.{split}.shards", (list,), path)):
+        shard = {"shard": manifest["splits"][split]["shards"][i]}
+        for key, kinds in (("name", (str,)), ("bytes", (int,)), ("sha256", (str,)), ("written", (int,))):
+            _field(shard, f"shard.{key}", kinds, path)
+        if Path(shard["shard"]["name"]).name != shard["shard"]["name"]:
+            raise ManifestError(f"{path}: shard name {shard['shard']['name']!r} is not a file name in the folder")
+    for i, _ in enumerate(_field(manifest, "skipped", (list,), path)):
+        record = {"skipped": manifest["skipped"][i]}
+        _field(record, "skipped.uq", (int,), path)
+        _field(record, "skipped.split", (str,), path)
+    return manifest
+
+
 def build_manifest(
     raw: RawDataset, fingerprint: dict, counts: dict, done: dict, resize: int, codec: tuple[str, int]
 ) -> dict:

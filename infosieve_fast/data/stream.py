@@ -38,7 +38,6 @@ ones before it) so that they run over 0..n_train-1.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,7 +56,7 @@ from .decode import DecodeCounts, cap_aspect, decode_cpu, decode_gpu, pad_into, 
 from .intake import is_manifest_folder, make_shards_index_cached, open_foreign
 from .layout_discovery import DISCOVERY
 from .sampler import sample_epoch
-from .shard_manifest import shard_file_problems
+from .shard_manifest import ManifestError, read_manifest, shard_file_problems
 from .tar import ShardIndex, open_mmap
 from .workers import worker_context
 
@@ -233,6 +232,13 @@ class ShardSource:
         """Per index row its compacted uq (`skipped`: the uq make-shards skipped) and served size; per uq its row (-1:
         in no readable shard) and labelled flag."""
         self.uq = self.index.uq - np.searchsorted(skipped, self.index.uq)  # compacted, per index row
+        outside = (self.uq < 0) | (self.uq >= self.n_train)
+        if outside.any():
+            raise ManifestError(
+                f"{self.dir}: {int(outside.sum())} sample(s) of its shards have a uq outside the manifest's "
+                f"{self.n_train:,} {self.split} samples (first: {int(self.index.uq[outside][0])}): the manifest does "
+                "not describe these shards (run make-shards again into a new --out)"
+            )
         self.row_of_uq = np.full(self.n_train, -1, np.int64)
         self.row_of_uq[self.uq] = np.arange(len(self.uq))
         self.labelled = np.zeros(self.n_train, bool)
@@ -243,7 +249,7 @@ class ShardSource:
     def _open_manifest(self, folder: Path, split: str) -> np.ndarray:
         """Open a make-shards folder's `split`; returns the uq of the images make-shards skipped (sorted)."""
         self.dir = folder
-        self.manifest = m = json.loads((folder / "manifest.json").read_text())
+        self.manifest = m = read_manifest(folder, split)
         self.dataset = m["dataset"]
         self.size = int(m["resize"])
         self.n_old = int(m["n_old"])
