@@ -11,7 +11,8 @@ chosen by `split_seed`), so the same images in the same order get the same split
 
 The index (`tar.index_rows`: one header walk over every shard) is saved as `.infosieve-index-<hash>.npz` beside the
 shards, or in `data.intake.index_cache` when their folder is read-only, with every shard's size and modification
-time: an open whose shards match reuses it instead of walking the headers again.
+time and a sha256 of its own contents: an open whose shards match reuses it instead of walking the headers again; a
+saved index that is damaged, edited or of another version is rebuilt.
 """
 
 from __future__ import annotations
