@@ -286,7 +286,7 @@ def _build(cls, values: dict, prefix: str):
     if moved:
         raise ConfigError(f"renamed config key(s): {'; '.join(moved)}")
     if unknown:
-        names = ", ".join(f"{prefix}{k}" for k in unknown)
+        names = ", ".join(f"{prefix}{k}" if k.isprintable() else repr(prefix + k) for k in unknown)  # a key may hold \n
         raise ConfigError(f"unknown config key(s): {names}; valid keys here: {', '.join(sorted(known))}")
     kwargs = {}
     for name, value in values.items():
