@@ -215,6 +215,12 @@ def _estimate_k(args: argparse.Namespace) -> int:
         n_seeds=args.seeds,
         progress=lambda msg: print(msg, file=sys.stderr),
     )
+    low, high = result["k_range"]
+    print(
+        f"K = {result['k']}: plausible K {low}-{high}, within one standard error of the best score (K = "
+        f"{result['k_by_argmax']}); the smallest is chosen",
+        file=sys.stderr,
+    )
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

@@ -235,11 +235,19 @@ class Trainer:
                 feats, targets, labelled = (
                     dist.all_gather_cat(t)[0].cpu() for t in (fs.feats, fs.targets, fs.labelled)
                 )
-                self.n_clusters = estimate_k(feats.numpy(), targets.numpy(), labelled.numpy(), self.source.n_old)["k"]
-                if dist.is_main_process():
+                main = dist.is_main_process()
+                say = (lambda line: print(f"kmeans.n_clusters=auto: {line}")) if main else None
+                found = estimate_k(feats.numpy(), targets.numpy(), labelled.numpy(), self.source.n_old, progress=say)
+                self.n_clusters = found["k"]
+                if main:
                     n = self.source.n_classes
                     known = f"{n} classes" if n is not None else f"{self.source.n_old} known classes and a pool"
-                    print(f"kmeans.n_clusters=auto: estimated K = {self.n_clusters} (the dataset has {known})")
+                    low, high = found["k_range"]
+                    print(
+                        f"kmeans.n_clusters=auto: estimated K = {self.n_clusters} (the dataset has {known}); "
+                        f"plausible K {low}-{high}, within one standard error of the best score (K = "
+                        f"{found['k_by_argmax']}); the smallest is chosen"
+                    )
             else:
                 self.n_clusters = int(k)
         return self.n_clusters
