@@ -11,7 +11,12 @@ matrix products' epilogues), so compiled and eager results agree to fp32 roundin
 bit for bit; a wrong lowering (a wrong op, a dropped term) differs at the size of the values themselves. Each tensor
 may differ by 2e-5 of its largest magnitude: the largest differences measured on this machine were 1.5e-6 (outputs),
 1.7e-6 (gradients) and 4.1e-7 (features). The loss is not compared: its code-length choices are discrete, so rounding
-can flip one (measured: up to 6.2e-5 of the loss); the outputs it is computed from are."""
+can flip one (measured: up to 6.2e-5 of the loss); the outputs it is computed from are.
+
+On CUDA (gpu_check.sh's parity step) the same test runs the step under bf16 autocast, lowered to Triton: compiled
+code keeps fused intermediates in fp32 where eager rounds every op's output to bf16 (unit roundoff 2^-8, about
+3.9e-3), so each tensor may differ by 3e-2 of its largest magnitude, a few roundoffs accumulated over the blocks and
+still far below a wrong lowering's error. That bound has not yet been checked on a GPU."""
 
 from __future__ import annotations
 
@@ -31,11 +36,12 @@ pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor's CPU backend needs a C++ compiler"
 )
 
-FAKE_CUDA = torch.device("cuda")  # compile_with_fallback compiles only for CUDA; the modules stay on the CPU
+CUDA = torch.device("cuda")  # compile_with_fallback compiles only for CUDA; on the CPU the modules stay there
 STEPS = 3
+TOLERANCE = {"cpu": 2e-5, "cuda": 3e-2}  # of each tensor's largest magnitude: fp32 on the CPU, bf16 autocast on CUDA
 # 72 samples: each feature pass ends with a batch of 8, padded to 32 when compiled
 TINY_SPLIT_VIT = [
-    "train.device=cpu", "train.train_subset=72", "data.batch_size=16", "data.feature_batch_size=32",
+    "train.train_subset=72", "data.batch_size=16", "data.feature_batch_size=32",
     "kmeans.n_init=1", "model.proj_out_dim=64", "model.proj_hidden_dim=32", "model.proj_bottleneck_dim=16",
     "model.backbone=vit_tiny_patch16_224", 'model.backbone_kwargs={"img_size": 32, "in_chans": 1, "depth": 4}',
     "model.grad_from_block=2",
@@ -43,7 +49,7 @@ TINY_SPLIT_VIT = [
 
 
 def assert_near(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    bound = 2e-5 * float(want.abs().max())
+    bound = TOLERANCE[want.device.type] * float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=bound, msg=lambda m: f"{what}: {m}")
 
 
@@ -55,23 +61,37 @@ def forward_backward(trainer: Trainer, views: torch.Tensor, seed: int) -> dict[s
         out = trainer.net(views)
     draw = torch.Generator().manual_seed(seed)
     outputs = [out.backbone, out.projection]
-    torch.autograd.backward(outputs, [torch.randn(o.shape, generator=draw) for o in outputs])
+    torch.autograd.backward(outputs, [torch.randn(o.shape, generator=draw).to(o) for o in outputs])
     return {"backbone": out.backbone.detach(), "projection": out.projection.detach()}
 
 
 @pytest.mark.slow  # lowering every graph to C++: 1 to 3 minutes on 2 busy cores (warm or cold compile cache)
-def test_inductor_lowers_every_probed_graph_and_matches_eager():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu_parity,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton lowering needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_inductor_lowers_every_probed_graph_and_matches_eager(device):
     torch._dynamo.reset()
-    cfg = load_config("configs/demo.yaml", TINY_SPLIT_VIT)
+    cfg = load_config("configs/demo.yaml", [f"train.device={device}", *TINY_SPLIT_VIT])
     eager, compiled = Trainer(cfg), Trainer(cfg)
     modules = compiled_modules(compiled.model)
-    compiled.compiled = compile_with_fallback(modules, "on", FAKE_CUDA, compiled._trace_graphs)  # `on`: raises
+    compiled.compiled = compile_with_fallback(modules, "on", CUDA, compiled._trace_graphs)  # `on`: raises
     assert compiled.compiled.path == COMPILED
     assert compiled.compiled.graphs == {"Block": COMPILED, "ProjectionHead": COMPILED}
     graphs = counters["stats"]["unique_graphs"]  # every graph below was lowered by the probe: none compiles later
 
-    pseudo = torch.arange(compiled.source.n_train) % compiled.source.n_classes
-    gen, step_gen = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    pseudo = (torch.arange(compiled.source.n_train) % compiled.source.n_classes).to(compiled.device)
+    gen = torch.Generator(compiled.device).manual_seed(0)
+    step_gen = torch.Generator(compiled.device).manual_seed(1)
     monitor = LossMonitor(0)
     for step, batch in enumerate(itertools.islice(compiled.source.train_batches(16, epoch=0, seed=0), STEPS)):
         views = compiled.augment.train_views(batch.images, 2, gen, batch.sizes)

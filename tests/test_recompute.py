@@ -122,6 +122,7 @@ def test_auto_keeps_everything_inside_a_cuda_graph_capture(monkeypatch):
     assert recompute.resolved("auto", block, torch.randn(2, 3)) == "off"
 
 
+@pytest.mark.gpu_parity
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA graph capture needs CUDA")
 def test_auto_trains_a_split_vit_in_a_real_cuda_graph_with_the_eager_gradients():
     """A forward and backward of trained blocks under `auto`, captured in a CUDA graph after eager warm-up steps on a

@@ -20,8 +20,8 @@
 #   epoch-in1k   60  the ImageNet-1k epoch projected from >= 500 ViT-B/16 steps on streamed shards (the CPU-decode
 #                    comparison after the projection, its failure its own)
 #   cache-herb19 30  Herbarium19-size epochs (34k images) served from the decoded GPU cache
-#   parity       45  the GPU parity tests (marker gpu_parity), serially: the CUDA-graph step and the compiled step
-#                    against eager, k-means labels fp32 = tf32 = bf16 on CUDA and its segment sums, nvJPEG and the
+#   parity       45  the GPU parity tests (marker gpu_parity), serially: the CUDA-graph step (with auto
+#                    checkpointing too) and the compiled step (Inductor's Triton lowering) against eager, k-means labels fp32 = tf32 = bf16 on CUDA and its segment sums, nvJPEG and the
 #                    GPU cache, the fused kernels and the reference model patched with them
 #   cub-epoch    35  bench_train's CUB-size epoch (feature pass, k-means, steps, checkpoint; 200-epoch projection)
 #                    against the published epochs
@@ -149,8 +149,9 @@ step epoch-in1k 60 "$PY" -m benchmarks.bench_epoch_scale --device "$DEVICE" \
 
 step cache-herb19 30 "$PY" -m benchmarks.bench_gpu_cache --device "$DEVICE" --json "$out/gpu-cache-herbarium19.json"
 
-parity=(tests/test_step_graph.py tests/test_kmeans.py tests/test_data_stream_exact.py
-  tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests/test_compat.py)
+# the compiled step last: it lowers a tiny ViT's graphs to Triton first, the longest wait of the selection
+parity=(tests/test_step_graph.py tests/test_recompute.py tests/test_kmeans.py tests/test_data_stream_exact.py
+  tests/test_kernels_code_head.py tests/test_kernels_contrastive.py tests/test_compat.py tests/test_compiling_inductor.py)
 report=(-v -rfEs)  # each test's outcome on its own line: a cut run's log still says which passed
 [ "$DEVICE" = cpu ] && report=(--collect-only -q)  # the rehearsal lists the selection; CI runs these tests
 step parity 45 "$PY" -m pytest -m gpu_parity "${parity[@]}" "${report[@]}" -p no:cacheprovider
