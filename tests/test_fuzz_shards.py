@@ -12,14 +12,17 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
+from infosieve_fast.config import IntakeConfig
 from infosieve_fast.data import intake
 from infosieve_fast.data.intake import ForeignKeys, cached_index
+from infosieve_fast.data.stream import ShardSource
 from infosieve_fast.data.tar import PNG_MAGIC, image_members, index_rows, index_shard, tar_samples
 
-from .fuzz_profiles import no_hang
+from .fuzz_profiles import no_hang, scaled
 
 KEYS = ForeignKeys(("png",), ("cls",))
 
@@ -247,3 +250,35 @@ def test_a_saved_index_of_changed_shards_is_rebuilt(tmp_path_factory, rows, data
     write_tar(Path(paths[0]), changed, tarfile.PAX_FORMAT)
     again, _, reused = _open(paths, folder / "cache")
     assert not reused and _same(again, _fresh(paths)[0])
+
+
+# ---- the reader over foreign shards -----------------------------------------------------------------------------
+
+
+def png_file(h: int, w: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@settings(max_examples=scaled(10))
+@given(st.lists(st.tuples(st.integers(4, 12), st.integers(4, 12), st.booleans()), min_size=2, max_size=10))
+def test_the_reader_skips_and_counts_an_image_that_does_not_decode_and_reads_the_rest(tmp_path_factory, rows):
+    folder = tmp_path_factory.mktemp("foreign")
+    samples = []
+    for i, (h, w, intact) in enumerate(rows):
+        image = png_file(h, w, i)
+        if not intact:  # the header (and so the index) is whole, the pixels are not
+            image = image[:33] + bytes(len(image) - 33)
+        samples.append((f"s{i:03d}", image, str(i % 2), True))  # both classes present: the split needs them
+    write_tar(folder / "a.tar", samples[::2], tarfile.GNU_FORMAT)
+    write_tar(folder / "b.tar", samples[1::2], tarfile.GNU_FORMAT)
+    intake_opts = IntakeConfig(image_keys="png", index_cache=str(folder / "index"))
+    source = ShardSource(folder, num_workers=0, cache="off", intake=intake_opts, resize=8)
+    with no_hang(60):
+        read = [u for b in source.feature_batches(3) for u in b.uq.tolist()]
+    order = [*range(0, len(rows), 2), *range(1, len(rows), 2)]  # storage order: shard a, then shard b
+    intact = [rows[i][2] for i in order]
+    assert read == [uq for uq, ok in enumerate(intact) if ok]  # every intact image, in storage order
+    assert source.unreadable() == [uq for uq, ok in enumerate(intact) if not ok]  # the others skipped and counted
