@@ -62,12 +62,13 @@ def torchrun(run: Path, plan: str, restarts: int) -> subprocess.CompletedProcess
 def test_a_restarted_torchrun_group_resumes_by_itself_and_ends_as_an_uninterrupted_launch(tmp_path):
     reference = torchrun(tmp_path / "reference", "-", restarts=0)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
-    # launch 1: rank 1 gets SIGTERM after its first step (rank 0 none): both stop before step 2 of epoch 1, exit 75;
-    # launch 2 resumes there by itself, and rank 1 kills itself with SIGKILL after its second step (epoch 2's first);
-    # launch 3 resumes from epoch 1's checkpoint and finishes
-    done = torchrun(tmp_path / "restarted", "sigterm@1,sigkill@2,-", restarts=2)
+    # rank 1 gets SIGTERM after its first step (rank 0 none): both stop before step 2 of epoch 1, exit 75; the next
+    # launch resumes there by itself, and rank 1 kills itself with SIGKILL after its second step (epoch 2's first); the
+    # next resumes from epoch 1's checkpoint and finishes
+    done = torchrun(tmp_path / "restarted", "sigterm@1,sigkill@2", restarts=4)  # 2 spare: a slow start can fail
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
+    assert (tmp_path / "restarted.plan").read_text() == "sigterm@1\nsigkill@2\n"
     stops = [line for line in output.splitlines() if "preempted: SIGTERM: stopped at epoch 1/2 at step 1;" in line]
     assert len(stops) == 1, output[-6000:]  # rank 0 says so, once: it stopped on rank 1's signal, at its step
     # what torchrun saw end each launch: the stop (the rank that exited first) and rank 1's SIGKILL
