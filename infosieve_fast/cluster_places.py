@@ -2,7 +2,8 @@
 
 A set of codes sits at its majority prefix: the longest prefix that more than half of its codes start with. A novel
 cluster's place is the majority prefix of its pool images' codes; its nearest known classes are those whose own
-majority prefix (of their labelled images) shares the most leading digits with it. `infosieve report` shows the place
+majority prefix (of their labelled images) shares the most leading digits with it; among those that share as many,
+the ones with the larger share of their images under the cluster's prefix come first. `infosieve report` shows the place
 beside each novel cluster, `infosieve tree` prints it and stores it in tree.json under `novel_clusters`.
 """
 
@@ -53,7 +54,8 @@ def place_clusters(
     `clustering`: {"uq", "targets", "preds", "n_old"} of the unlabelled train samples (the pool's target is NO_LABEL);
     `given`: RUN/names.json's names."""
     n_old = int(clustering["n_old"])
-    known = {c: majority_prefix([codes[u] for u, t in targets.items() if t == c], depth) for c in range(n_old)}
+    known_codes = {c: [codes[u] for u, t in targets.items() if t == c] for c in range(n_old)}
+    known = {c: majority_prefix(members, depth) for c, members in known_codes.items()}
     pool = np.asarray(clustering["targets"]) == NO_LABEL
     uq, preds = np.asarray(clustering["uq"])[pool], np.asarray(clustering["preds"])[pool]
     places = []
@@ -63,7 +65,9 @@ def place_clusters(
             continue
         prefix = majority_prefix(members, depth)
         shared = {c: shared_digits(prefix, p) for c, p in known.items()}
-        nearest = sorted(shared, key=lambda c: (-shared[c], c))[:NEAREST_KNOWN]
+        # ties (common in a shallow tree) go to the class with the larger share of its images under the prefix
+        under = {c: sum(code.startswith(prefix) for code in v) / max(len(v), 1) for c, v in known_codes.items()}
+        nearest = sorted(shared, key=lambda c: (-shared[c], -under[c], c))[:NEAREST_KNOWN]
         places.append(
             {
                 "cluster": k,

@@ -170,17 +170,19 @@ def test_a_cluster_sits_at_its_majority_prefix_beside_the_known_classes_sharing_
     assert majority_prefix(["0110", "0111", "0100", "1"], 4) == "01"  # 3 of 4 start 01; 2 of 4 start 011: no majority
     assert majority_prefix(["0110", "0110", "1"], 2) == "01" and majority_prefix(["0", "1"], 3) == ""
     assert shared_digits("0110", "0101") == 2 and shared_digits("", "01") == 0 and shared_digits("11", "11") == 2
-    codes = {0: "000", 1: "001", 2: "110", 3: "111", 4: "011", 5: "011", 6: "010", 7: "10"}
-    targets = {0: 0, 1: 0, 2: 1, 3: 1, 4: NO_LABEL, 5: NO_LABEL, 6: NO_LABEL, 7: NO_LABEL}
-    clustering = {"uq": np.arange(4, 8), "targets": np.full(4, NO_LABEL), "preds": np.asarray([2, 2, 2, 3]),
-                  "n_old": 2}  # fmt: skip
-    places = place_clusters(codes, targets, clustering, ["gull", "tern"], 5, {3: "Blue Jay"}, depth=3)
-    # by hand: class 0 at "00", class 1 at "11"; cluster 2 {011, 011, 010} at "011" (2 of 3) shares 1 digit with
-    # gull, 0 with tern; cluster 3 {10} at "10" shares 1 with tern, 0 with gull; cluster 4 has no image
+    codes = {0: "000", 1: "001", 2: "110", 3: "111", 4: "011", 5: "011", 6: "010", 7: "10", 8: "010", 9: "100"}
+    targets = {0: 0, 1: 0, 2: 1, 3: 1, 4: NO_LABEL, 5: NO_LABEL, 6: NO_LABEL, 7: NO_LABEL, 8: 2, 9: 2}
+    clustering = {"uq": np.arange(4, 8), "targets": np.full(4, NO_LABEL), "preds": np.asarray([3, 3, 3, 4]),
+                  "n_old": 3}  # fmt: skip
+    places = place_clusters(codes, targets, clustering, ["gull", "tern", "owl"], 6, {4: "Blue Jay"}, depth=3)
+    # by hand: gull at "00", tern at "11", owl {010, 100} at "" (no majority). Cluster 3 {011, 011, 010} sits at "011"
+    # (2 of 3): 1 digit shared with gull, 0 with tern and owl, none of whose images is under "011" (tern first by
+    # index). Cluster 4 {10} sits at "10": 1 digit shared with tern, 0 with gull and owl; half of owl's images are
+    # under "10", none of gull's, so owl comes before gull. Cluster 5 has no image.
     assert places == [
-        {"cluster": 2, "name": "novel-2", "size": 3, "prefix": "011", "nearest_known": ["gull", "tern"],
+        {"cluster": 3, "name": "novel-3", "size": 3, "prefix": "011", "nearest_known": ["gull", "tern", "owl"],
          "shared_digits": 1},
-        {"cluster": 3, "name": "Blue Jay", "size": 1, "prefix": "10", "nearest_known": ["tern", "gull"],
+        {"cluster": 4, "name": "Blue Jay", "size": 1, "prefix": "10", "nearest_known": ["tern", "owl", "gull"],
          "shared_digits": 1},
     ]  # fmt: skip
 
