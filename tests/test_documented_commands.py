@@ -14,9 +14,10 @@ one entry of `PLAN`:
 A command that matches no entry fails the test: a new documented command must say how it is checked. A ```sh block
 holds a SLURM batch script: it runs as a whole, with stand-ins for `srun` and `scontrol` (`test_slurm_script_...`).
 
-The commands run in `bash` as written, but their `python`, `python3` and `infosieve` are tests/warm_python.py's shims:
-each command runs in a fork of one interpreter that has already imported torch and the package (and runs as a cold
-one would, tests/test_warm_python.py), so ~40 commands do not pay ~40 imports of torch.
+A simple `infosieve ...` or `python -m MODULE ...` command (with `NAME=value` prefixes) runs in this test's own
+interpreter, one at a time (tests/in_process.py: `cli.main(argv)` or `runpy` as `__main__`, in the repository with the
+command's environment, its output captured, its changes to the interpreter put back), so ~40 commands do not pay ~40
+imports of torch. Any other command line (pipes, `$(...)`, `bash` scripts, `torchrun`) runs in `bash` as written.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import shlex
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +38,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from infosieve_fast import cli, sweep
-from tests.warm_python import SOCKET_ENV, WarmPython
+from infosieve_fast import cli
+from tests.in_process import in_process_call, run_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -104,32 +105,15 @@ PLAN = [
     ),  # fmt: skip
     Entry(r"infosieve train --config configs/(dinov2-)?cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
     Entry(
-        r"infosieve estimate-k --features \S+ --known-classes \d+ --json \S+",
+        r"infosieve train --config configs/cub100-tree\.yaml --data\.shards /data/shards/mine\S* .*",
         "parse",
-        "over a minute on 2 cores; tests/test_estimate_k.py runs the same search on the same features",
+        "needs your own images (tests/test_discovery.py trains this config on a folder of real birds it builds)",
     ),  # fmt: skip
-    Entry(
-        rf"infosieve make-shards --dataset {DATASETS} .*",
-        "parse",
-        "needs the dataset download "
-        "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run the layouts on stand-ins)",
-    ),  # fmt: skip
-    Entry(
-        r"infosieve make-shards --dataset discovery .*",
-        "parse",
-        "needs your own images (tests/test_discovery.py runs the same command on a folder of real birds it builds)",
-    ),  # fmt: skip
-    Entry(r"infosieve train --config configs/(dinov2-)?cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
     Entry(r"infosieve sweep --config configs/demo\.yaml .*", "run"),
     Entry(r"infosieve compare SWEEP RUN --out \S+ --json \S+", "run"),
     Entry(
         rf"infosieve sweep --config configs/(dinov2-)?{DATASETS}\.yaml .*",
         "parse",
-    Entry(
-        r"infosieve train --config configs/cub100-tree\.yaml --data\.shards /data/shards/mine\S* .*",
-        "parse",
-        "needs your own images (tests/test_discovery.py trains this config on a folder of real birds it builds)",
-    ),  # fmt: skip
         "needs the dataset and the DINO (or DINOv2) weights; tests/test_sweep.py runs sweeps on the digits",
     ),  # fmt: skip
     Entry(r"python -m benchmarks\.cub_subset( --[\w-]+ \S+)+", "run"),
@@ -276,17 +260,17 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
 
 
 COMMAND_TIMEOUT_S = 300
-LANES = 2  # commands run side by side, each with its share of the cores (two on CI's 2 cores)
 
 
 def command_env() -> dict[str, str]:
-    """The environment every command runs in: smoke sizes, this checkout importable, a share of the cores."""
+    """What every command runs with, beside this process's environment: smoke sizes, this checkout importable, and one
+    thread (smoke sizes gain nothing from a second, and an OpenMP pool that shares its cores with other work spins:
+    a bench_tree command in this process took 57 s with two threads, 14 s with one, on a loaded 2-core machine)."""
     return {
-        **os.environ,
         "INFOSIEVE_BENCH_SMOKE": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": str(sweep.threads_per_process(LANES)),
+        "OMP_NUM_THREADS": "1",
     }
 
 
@@ -317,52 +301,77 @@ def _unique(commands: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return out
 
 
+def runs_in_bash(command: str) -> bool:
+    """Whether the documented `command`, once bound, runs in bash rather than in this process."""
+    placeholders = dict.fromkeys(("tmp", "run", "images", "realdata", "sweep"), "/x")
+    return in_process_call(bind(command, placeholders, "x")) is None
+
+
 DEMO_TRAIN = "infosieve train --config configs/demo.yaml"
-RUN_COMMANDS = _unique(_documented("run"))
+# in the docs' order, those that run in bash last: they run in the background meanwhile (`outcomes`)
+RUN_COMMANDS = sorted(_unique(_documented("run")), key=lambda item: runs_in_bash(item[1]))
 
 
 @pytest.fixture(scope="module")
-def outcomes(bound, request) -> dict[tuple[str, str], tuple[str, subprocess.CompletedProcess]]:
-    """The run of every documented command this session selected (`-k` picks some), on `LANES` workers: the commands
-    that share a folder in one lane, in the docs' order (the README's demo training first in the lane of RUN, the
-    folder it writes, then the commands that read RUN or SWEEP), beside the other commands. A command that reads the
-    same once bound (the docs show `eval --run RUN` more than once) runs once."""
+def bound_commands(bound) -> dict[tuple[str, str], str]:
+    """Every documented command to run, bound (`bind`); the README's demo training writes RUN."""
+    demo = next(key for key in RUN_COMMANDS if key[1] == DEMO_TRAIN)
+    return {(w, c): bind(f"{DEMO_TRAIN} --out /tmp/demo_readme" if (w, c) == demo else c, bound, re.sub(r"\W", "_", w))
+            for w, c in RUN_COMMANDS}  # fmt: skip
+
+
+def writers_read_by(command: str, commands: list[str], bound: dict[str, str]) -> list[str]:
+    """The commands that write the folders `command` reads (RUN, SWEEP; `compare SWEEP RUN` reads both), in the docs'
+    order: they run first."""
+    read = [bound[f] for f in ("run", "sweep") if bound[f] in command]
+    return [c for c in commands if c != command and any(re.search(rf"--out {re.escape(f)}(\s|$)", c) for f in read)]
+
+
+@pytest.fixture(scope="module")
+def outcomes(bound, bound_commands, request) -> dict[str, subprocess.CompletedProcess | Future]:
+    """The outcome of every bound command started so far: a command that reads the same once bound (the docs show
+    `eval --run RUN` more than once) runs once. The commands of this session's selection (`-k` picks some) that run in
+    bash and read no other command's output start at once, one after another on a thread of their own: they take the
+    second core while the others run in this process."""
     selected = {
         (item.callspec.params["where"], item.callspec.params["command"])
         for item in request.session.items
         if item.originalname == "test_documented_command_runs_at_smoke_size"
     }
-    demo = next(key for key in RUN_COMMANDS if key[1] == DEMO_TRAIN)
-    bound_commands = {demo: bind(f"{DEMO_TRAIN} --out /tmp/demo_readme", bound, "demo")}  # into RUN
-    bound_commands |= {(w, c): bind(c, bound, re.sub(r"\W", "_", w)) for w, c in RUN_COMMANDS
-                       if (w, c) in selected and (w, c) != demo}  # fmt: skip
-    lanes: dict[str, list[str]] = {}
-    for command in dict.fromkeys(bound_commands.values()):
-        if bound["run"] in command or bound["sweep"] in command:  # `compare SWEEP RUN` reads both
-            lanes.setdefault("RUN", []).append(command)
-        else:
-            lanes.setdefault("bench_tree_ablation" if "bench_tree_ablation" in command else command, []).append(command)
+    everything = list(bound_commands.values())
+    in_bash = [c for key, c in bound_commands.items() if key in selected and in_process_call(c) is None
+               and not writers_read_by(c, everything, bound)]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield {c: pool.submit(run_shell, c, {**os.environ, **command_env()}) for c in dict.fromkeys(in_bash)}
 
-    env = command_env()
-    warm = WarmPython.start(env)  # `python` and `infosieve` fork a process that has imported torch and the package
-    env |= {"PATH": f"{warm.shims}:{env['PATH']}", SOCKET_ENV: warm.socket}
 
-    def run_lane(commands: list[str]) -> dict[str, subprocess.CompletedProcess]:
-        return {command: run_shell(command, env) for command in commands}
+@pytest.fixture
+def run_once(outcomes, monkeypatch, capfd):
+    """`run_once(command)`: its outcome, running it first where it has not run. A simple command runs in this
+    interpreter (tests/in_process.py) with its output captured by capfd; any other in bash."""
 
-    done: dict[str, subprocess.CompletedProcess] = {}
-    try:
-        with ThreadPoolExecutor(max_workers=LANES) as pool:
-            for lane in [pool.submit(run_lane, commands) for commands in lanes.values()]:
-                done |= lane.result()
-    finally:
-        warm.stop()
-    return {key: (command, done[command]) for key, command in bound_commands.items()}
+    def run(command: str) -> subprocess.CompletedProcess:
+        if command not in outcomes:
+            call = in_process_call(command)
+            if call is None:
+                outcomes[command] = run_shell(command, {**os.environ, **command_env()})
+            else:
+                capfd.readouterr()  # what came before is not this command's
+                status = run_in_process(call, ROOT, command_env(), COMMAND_TIMEOUT_S, monkeypatch)
+                outcomes[command] = subprocess.CompletedProcess(command, status, *capfd.readouterr())
+        done = outcomes[command]
+        return done.result() if isinstance(done, Future) else done
+
+    return run
 
 
 @pytest.mark.parametrize(("where", "command"), RUN_COMMANDS, ids=lambda x: x if ":" in x else "")
-def test_documented_command_runs_at_smoke_size(where, command, outcomes):
-    bound_command, done = outcomes[where, command]
+def test_documented_command_runs_at_smoke_size(where, command, bound, bound_commands, run_once):
+    bound_command = bound_commands[where, command]
+    for writer in writers_read_by(bound_command, list(bound_commands.values()), bound):
+        done = run_once(writer)
+        assert done.returncode == 0, f"{where}: {command}\nreads what `{writer}` writes; it exited {done.returncode}"
+    done = run_once(bound_command)
     assert done.returncode == 0, (
         f"{where}: {command}\nran as: {bound_command}\nexit {done.returncode}\n{done.stdout[-3000:]}\n"
         f"{done.stderr[-3000:]}"
@@ -427,7 +436,7 @@ def bind_batch_script(text: str, run: Path) -> str:
 def test_slurm_script_stops_on_its_signal_requeues_and_resumes(where, script, tmp_path):
     run, requeues = tmp_path / "run", tmp_path / "scontrol.log"
     bound = bind_batch_script(script, run)
-    env = {**command_env(), "STAND_IN_LOG": str(requeues), "STAND_IN_SIGNAL": "USR1"}
+    env = {**os.environ, **command_env(), "STAND_IN_LOG": str(requeues), "STAND_IN_SIGNAL": "USR1"}
     first = run_shell(bound, env)  # the time limit's signal: the run stops and the job queues itself again
     assert first.returncode == 0, f"{where}\n{first.stdout[-3000:]}\n{first.stderr[-3000:]}"
     assert requeues.read_text() == "requeue 7\n", first.stderr[-3000:]
