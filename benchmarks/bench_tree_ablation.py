@@ -116,7 +116,7 @@ def run_variant(cfg, cached: dict) -> dict:
     trainer.augment = CachedViews(n_views)
     clock = Stopwatch()
     log = [trainer.train_epoch(epoch) for epoch in range(cfg.schedule.epochs)]
-    codes = evaluate_codes(trainer)
+    codes = evaluate_codes(trainer.evaluator())
     out = {k: codes[k.removeprefix("code_")] for k in REPORTED}
     out["terms_first_last"] = {k: [log[0][k], log[-1][k]] for k in TERMS}
     out["seconds"] = round(clock.seconds(), 1)

@@ -41,7 +41,8 @@ from torch import Tensor
 from . import checkpoint as ckpt
 
 if TYPE_CHECKING:  # the run-folder readers import this module without the training stack
-    from .engine import FeatureSet, Trainer
+    from .engine import Trainer
+    from .evaluation import Evaluator, FeatureSet
 
 BEST_CHECKPOINT, BEST = "checkpoint-best.pt", "best.json"
 HIGHER_IS_BETTER = {"labelled_holdout": True, "kmeans_objective": False}
@@ -118,31 +119,31 @@ def labels_hidden(trainer: Trainer, hidden: Tensor | None):
 
 
 # ------------------------------------------------------------------------------------------------ the criteria
-def holdout_accuracy(trainer: Trainer, fs: FeatureSet, k: int, holdout: Tensor) -> float:
+def holdout_accuracy(ev: Evaluator, fs: FeatureSet, k: int, holdout: Tensor) -> float:
     """The held-out images' clustering accuracy under k-means of all the features, labels ignored (GCD's criterion)."""
     from .estimate_k import labelled_accuracy
 
     held = holdout.to(fs.uq.device)[fs.uq]
-    targets = trainer.gather_table(fs, torch.where(held, fs.targets, -1))  # the held-out images' labels, no other
-    held = trainer.gather_table(fs, held.long(), fill=0).bool()  # complete tables by uq, as `labels_table` gives
+    targets = ev.gather_table(fs, torch.where(held, fs.targets, -1))  # the held-out images' labels, no other
+    held = ev.gather_table(fs, held.long(), fill=0).bool()  # complete tables by uq, as `labels_table` gives
     mean, _ = labelled_accuracy(
         fs.feats,
         targets.cpu().numpy(),
         held.cpu().numpy(),
         k,
         n_seeds=KMEANS_RUNS,
-        max_iter=trainer.cfg.kmeans.max_iter,
-        seed=trainer.cfg.train.seed,
-        labels_table=lambda labels: trainer.gather_table(fs, labels.to(fs.feats.device)),
+        max_iter=ev.kmeans.max_iter,
+        seed=ev.seed,
+        labels_table=lambda labels: ev.gather_table(fs, labels.to(fs.feats.device)),
     )
     return mean
 
 
-def kmeans_objective(trainer: Trainer, fs: FeatureSet, k: int) -> float:
+def kmeans_objective(ev: Evaluator, fs: FeatureSet, k: int) -> float:
     """The inertia of k-means of all the features (labels ignored): the sum of squared distances to the centres."""
     from .kmeans import semi_supervised_kmeans
 
-    km = trainer.cfg.kmeans
+    km = ev.kmeans
     result = semi_supervised_kmeans(
         fs.feats,
         None,
@@ -151,7 +152,7 @@ def kmeans_objective(trainer: Trainer, fs: FeatureSet, k: int) -> float:
         n_init=km.n_init,
         max_iter=km.max_iter,
         tol=km.tol,
-        seed=trainer.cfg.train.seed,
+        seed=ev.seed,
         backend=km.backend,
         distance_precision=km.distance_precision,
     )
@@ -178,22 +179,23 @@ class BestCheckpoint:
         """The context an epoch trains in: the held-out images unlabelled."""
         return labels_hidden(trainer, self.holdout)
 
-    def score(self, trainer: Trainer) -> float:
-        """The criterion's value for the trainer's current weights (every rank calls it; all get the same value)."""
-        fs = trainer.extract_features("test")
-        k = trainer.clusters(fs)
+    def score(self, ev: Evaluator) -> float:
+        """The criterion's value for the evaluator's weights, e.g. `Trainer.evaluator()`'s (every rank calls it; all
+        get the same value)."""
+        fs = ev.features("test")
+        k = ev.clusters(fs)
         if self.criterion == "labelled_holdout":
-            return holdout_accuracy(trainer, fs, k, self.holdout)
-        return kmeans_objective(trainer, fs, k)
+            return holdout_accuracy(ev, fs, k, self.holdout)
+        return kmeans_objective(ev, fs, k)
 
-    def judge(self, trainer: Trainer, record: dict) -> None:
+    def judge(self, ev: Evaluator, record: dict) -> None:
         """Score the weights after the epoch of `record` (log.jsonl's line, which gets `criterion_<name>` and the time
         it took, `seconds_criterion`; `seconds` is the epoch's training alone) and keep them as the best when they beat
         it."""
         if not self.enabled:
             return
         start = time.perf_counter()
-        value = self.score(trainer)
+        value = self.score(ev)
         record.update({f"criterion_{self.criterion}": value, "seconds_criterion": time.perf_counter() - start})
         higher = HIGHER_IS_BETTER[self.criterion]
         if self.best is None or (value > self.best["value"] if higher else value < self.best["value"]):

@@ -113,7 +113,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.split == "train":  # what the codes hold, on the same unlabelled samples
         from .code_metrics import evaluate_codes, format_code_measures
 
-        print(format_code_measures(evaluate_codes(trainer)))
+        print(format_code_measures(evaluate_codes(trainer.evaluator())))
     return 0
 
 

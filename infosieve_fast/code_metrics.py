@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .metrics import NO_LABEL
+
+if TYPE_CHECKING:
+    from .evaluation import Evaluator, FeatureSet
 
 DEPTHS = (4, 8, 16)
 
@@ -102,31 +106,27 @@ def code_measures(code_raw: Tensor, mask: Tensor, targets: Tensor, depths=DEPTHS
     return out
 
 
-def code_features(trainer):
-    """The train samples' `[code_raw | mask]` (test view) as the trainer's `FeatureSet` (this rank's share)."""
-    model = trainer.model
+def code_features(ev: Evaluator) -> FeatureSet:
+    """The train samples' `[code_raw | mask]` (test view) as a `FeatureSet` (this rank's share)."""
+    model = ev.model
 
     def embed(x: Tensor) -> Tensor:
         head = model(x).head
         return torch.cat([head.code_raw, head.mask], dim=1).float()
 
-    return trainer.extract_features("test", embed=embed)
+    return ev.features("test", embed=embed)
 
 
-def evaluate_codes(trainer, fs=None) -> dict:
-    """All/Old/New of SS-k-means on `code_raw` (the run's K, `kmeans.eval_balanced`, seed 0 and protocol, as the
-    backbone evaluation) and `code_measures`, on the unlabelled train samples. `fs`: `code_features(trainer)`, if
-    already computed. Every rank returns the same numbers."""
-    fs = fs if fs is not None else code_features(trainer)
-    cfg, length = trainer.cfg, trainer.cfg.model.code_length
-    codes = dataclasses.replace(fs, feats=fs.feats[:, :length].contiguous())
-    clustering = trainer.cluster(codes, seed=0, balanced=cfg.kmeans.eval_balanced)
-    targets = trainer.gather_table(fs, fs.targets)
-    unl = trainer.gather_table(fs, (~fs.labelled).long(), fill=0).bool()  # unlabelled and readable
-    y = targets[unl]
-    out = trainer.score(y, clustering.labels[unl])
-    table = trainer.gather_table(fs, fs.feats, fill=0)[unl]
-    out.update(code_measures(table[:, :length], table[:, length:], y))
+def evaluate_codes(ev: Evaluator, fs: FeatureSet | None = None) -> dict:
+    """All/Old/New of SS-k-means on `code_raw` (`Evaluator.evaluate`: the run's K, `kmeans.eval_balanced`, seed 0 and
+    protocol, as the backbone evaluation) and `code_measures`, on the unlabelled train samples. `fs`:
+    `code_features(ev)`, if already computed. Every rank returns the same numbers."""
+    fs = fs if fs is not None else code_features(ev)
+    length = fs.feats.shape[1] // 2  # the code length: code_raw and mask are as wide
+    scored = ev.evaluate(dataclasses.replace(fs, feats=fs.feats[:, :length].contiguous()))
+    out = scored.metrics
+    table = ev.gather_table(fs, fs.feats, fill=0)[scored.unlabelled]
+    out.update(code_measures(table[:, :length], table[:, length:], scored.targets[scored.unlabelled]))
     return out
 
 

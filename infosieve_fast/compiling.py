@@ -13,7 +13,7 @@ eager, naming the probe stage that failed). `on` raises instead of falling back;
 Compiling happens once per process, before the first epoch's feature pass, so its time is reported apart from the
 steps' and is not paid again in later epochs: every epoch record holds the path (`compile`) and the compile seconds it
 paid (`seconds_compile`, 0 but in the first epoch a process runs). Nothing compiles after the probe: every feature
-pass runs its batches at one size (`Trainer._full_batch` pads the last one), and the probe runs each pass's forwards.
+pass runs its batches at one size (`Evaluator.full_batch` pads the last one), and the probe runs each pass's forwards.
 
 The blocks share one code object, and each way a run calls them (frozen or trained, in a step or a feature pass, on
 images or on cached tokens) is one more graph of that object: seven for a split ViT, more for a process that trains
@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .config import DataConfig
+from .model import PrefixTokens
 from .notices import error_line, notice
 
 RECOMPILE_LIMIT = 64  # graphs per code object (torch's default: 8); one run's split ViT blocks need 7
@@ -152,3 +154,47 @@ def _compile_group(group: list[nn.Module], setting: str, probe: Callable[[], Non
             module._compiled_call_impl = None  # what nn.Module.compile set: calls go back to the eager forward
         return failure_line(err)
     return COMPILED
+
+
+def trace_graphs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: DataConfig,
+    device: torch.device,
+    autocast: Callable[[], torch.autocast],
+) -> None:
+    """The probe: run every graph a run of `model` uses once, at its shapes (`data`'s batch sizes, crop and channels):
+    the step's forward and backward (both views of a batch) and the feature passes' forwards, each a named
+    `probe_stage`. Parameters, buffers, gradients (`optimizer`'s), the RNG and the training mode are left as they were,
+    also when a stage fails (compiling goes on without the failing class)."""
+    buffers, training = [b.clone() for b in model.buffers()], model.training
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            shape = (len(data.mean), data.crop_size, data.crop_size)  # the images' channels, as the augmentation checks
+            with autocast(), probe_stage("the step's forward"):
+                out = model(torch.zeros(2 * data.batch_size, *shape, device=device))
+            with probe_stage("the step's backward"):
+                (out.projection.sum() + out.backbone.float().sum()).backward()
+            model.eval()
+            with torch.no_grad(), autocast():
+                _trace_feature_passes(model, torch.zeros(data.feature_batch_size, *shape, device=device))
+    finally:
+        model.train(training)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+
+
+def _trace_feature_passes(model: nn.Module, x: torch.Tensor) -> None:
+    """The forwards of the feature passes at their one batch size (`Evaluator.full_batch`): backbone features and the
+    codes' pass (the whole model), on images and, where the token cache may hold the frozen prefix's output, on that
+    output as the cache records and replays it."""
+    with probe_stage("the feature passes on images"):
+        model.features(x)
+        model(x)
+    if model.backbone.prefix_is_pure:
+        with probe_stage("the feature passes on the token cache's frozen-prefix output"):
+            tokens = PrefixTokens(model.backbone.frozen_tokens(x))
+            model.features(tokens)
+            model(tokens)

@@ -107,7 +107,7 @@ def _train(
                 f"in {run_dir / BEST_CHECKPOINT} (read it with --checkpoint best)"
             )
         seconds, resumed_at = time.perf_counter() - started, None if state is None else start
-        print_finished(run_dir, seconds, resumed_at, cfg.schedule.epochs, trainer.has_test_split())
+        print_finished(run_dir, seconds, resumed_at, cfg.schedule.epochs, trainer.evaluator().has_test_split())
     dist.barrier()
     return metrics
 
@@ -295,7 +295,7 @@ def train_and_record_epoch(
     per_epoch_peak = reset_peak_memory(trainer.device)
     with best.training(trainer):
         record = trainer.train_epoch(epoch)
-    best.judge(trainer, record)
+    best.judge(trainer.evaluator(), record)
     every = cfg.train.eval_every
     if every and (epoch + 1) % every == 0:
         record.update(trainer.evaluate_epoch())
@@ -467,7 +467,7 @@ def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last")
     from .code_metrics import code_features
 
     trainer, read = read_run(run_dir, checkpoint)
-    fs = code_features(trainer)
+    fs = code_features(trainer.evaluator())
     tree = trainer_tree(trainer, max_depth, fs) | {"checkpoint": read}
     if checkpoint == "last" and trainer.centers is not None:  # RUN/clustering.npz is the last checkpoint's
         length, uq = trainer.cfg.model.code_length, fs.uq.tolist()
@@ -494,12 +494,12 @@ def assignment_centers(trainer: Trainer, run_dir: str | Path, checkpoint: str) -
 def trainer_tree(trainer: Trainer, max_depth: int = 8, fs=None) -> dict:
     """The implicit category tree of a trainer's weights: codes of the train samples (test view), cut by the mask.
     The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples).
-    `fs`: `code_metrics.code_features(trainer)`, if already computed."""
+    `fs`: `code_metrics.code_features(trainer.evaluator())`, if already computed."""
     from .code_metrics import code_features, evaluate_codes
 
-    fs = fs if fs is not None else code_features(trainer)
+    fs = fs if fs is not None else code_features(trainer.evaluator())
     length = trainer.cfg.model.code_length
     tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
-    tree["measures"] = evaluate_codes(trainer, fs)
+    tree["measures"] = evaluate_codes(trainer.evaluator(), fs)
     tree["class_names"] = list(trainer.source.class_names)  # target order: what the report labels nodes with
     return tree

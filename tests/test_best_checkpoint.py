@@ -30,6 +30,7 @@ from infosieve_fast.config import load_config
 from infosieve_fast.data import InMemoryGCD, build_source
 from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.engine import FeatureSet, Trainer
+from infosieve_fast.evaluation import Evaluator
 from infosieve_fast.run_folder import train, trainer_from_run
 from tests.test_engine import smoke_config
 from tests.test_engine_ddp import DDP_SMOKE
@@ -77,7 +78,7 @@ def test_the_best_is_the_logs_best_epoch_and_its_weights_score_it(holdout_run):
     assert kept["epoch"] == best["epoch"] and kept["best"] == best and "optimizer" not in kept
     assert load_checkpoint(holdout_run)["best"] == best  # the last checkpoint carries it for a resume
     trainer = trainer_from_run(holdout_run, "best")  # the kept weights give the recorded value again
-    assert BestCheckpoint(trainer).score(trainer) == best["value"]
+    assert BestCheckpoint(trainer).score(trainer.evaluator()) == best["value"]
 
 
 def test_the_choice_never_reads_a_label_of_an_unlabelled_image(holdout_run, tmp_path):
@@ -136,9 +137,10 @@ def test_held_out_images_take_no_part_in_the_supervised_training(monkeypatch):
 
 
 def fake_trainer(n: int, *overrides: str) -> SimpleNamespace:
-    """What the criteria use of a Trainer: its config and its tables by uq (one process)."""
-    fake = SimpleNamespace(cfg=smoke_config(*overrides), source=SimpleNamespace(n_train=n))
-    fake.gather_table = functools.partial(Trainer.gather_table, fake)
+    """What the criteria use of an Evaluator: its k-means config and seed and its tables by uq (one process)."""
+    cfg = smoke_config(*overrides)
+    fake = SimpleNamespace(kmeans=cfg.kmeans, seed=cfg.train.seed, source=SimpleNamespace(n_train=n))
+    fake.gather_table = functools.partial(Evaluator.gather_table, fake)
     return fake
 
 
@@ -181,7 +183,7 @@ def test_kmeans_objective_keeps_the_lowest_and_reads_no_label(tmp_path):
     scores = []
     for permute in (False, True):
         trainer = Trainer(cfg, digits(cfg, permute_unlabelled=permute))
-        scores.append(BestCheckpoint(trainer).score(trainer))
+        scores.append(BestCheckpoint(trainer).score(trainer.evaluator()))
     assert scores[0] == scores[1]
 
 
@@ -298,4 +300,4 @@ def test_under_ddp_every_rank_scores_alike_and_one_process_agrees(tmp_path):
     best = read_best(run)
     assert best["value"] == max(scored[0])
     trainer = trainer_from_run(run, "best")
-    assert BestCheckpoint(trainer).score(trainer) == best["value"]
+    assert BestCheckpoint(trainer).score(trainer.evaluator()) == best["value"]

@@ -252,9 +252,9 @@ def test_a_smaller_batch_runs_padded_to_the_feature_batch_and_keeps_its_own_rows
         return model.features(batch)
 
     with torch.no_grad():
-        want = trainer._full_batch(features, x)  # eager: as it is
+        want = trainer.evaluator().full_batch(features, x)  # eager: as it is
         trainer.compiled = CompileOutcome(True, "compiled", 0.0)
-        got = trainer._full_batch(features, x)
+        got = trainer.evaluator().full_batch(features, x)
     assert seen == [5, 32]
     assert got.shape == want.shape == (5, model.backbone.feat_dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

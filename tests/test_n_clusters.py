@@ -29,7 +29,7 @@ def test_a_given_k_is_used_for_every_round(tmp_path):
     state = load_checkpoint(tmp_path / "run")
     assert state["n_clusters"] == 14 and state["centers"].shape[0] == 14
     default = Trainer(_cfg())
-    assert default.clusters(default.extract_features("test")) == 10  # the digits
+    assert default.evaluator().clusters(default.extract_features("test")) == 10  # the digits
 
 
 @pytest.mark.parametrize("bad", ["'12'", "1", "true", "many"])
