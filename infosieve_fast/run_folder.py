@@ -373,7 +373,7 @@ def log_scalars(board, record: dict) -> None:
     for key, value in record.items():
         if isinstance(value, dict):
             for part, v in value.items():
-                if v is not None:  # a part no label can score
+                if isinstance(v, int | float):  # not None (a part no label can score) nor words (compile_graphs)
                     board.add_scalar(f"{key}/{part}", v, step)
         elif key != "epoch" and isinstance(value, int | float):
             board.add_scalar(key, value, step)
