@@ -88,11 +88,29 @@ def calls(kind: str, epoch: int | None, during_training: bool) -> int:
     raise ValueError(kind)
 
 
+def training_kmeans(replacement) -> None:
+    """Make the training's SS-k-means rounds (the per-epoch ones and the evaluations') call `replacement`: the name
+    `semi_supervised_kmeans` in each loaded module of the package that imported it (engine.py, or a module the rounds
+    moved to)."""
+    from infosieve_fast import kmeans
+
+    own = ("infosieve_fast.kmeans", "infosieve_fast.estimate_k")  # k-means itself; K's estimate is no training round
+    patched = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("infosieve_fast.") and name not in own
+        and getattr(module, "semi_supervised_kmeans", None) is kmeans.semi_supervised_kmeans
+    ]  # fmt: skip
+    assert patched, "no module of the package holds semi_supervised_kmeans: the driver cannot reach k-means"
+    for module in patched:
+        module.semi_supervised_kmeans = replacement
+
+
 def patch(kind: str, n: int) -> None:
     """In the child: make the n-th call of `kind`'s function kill the process."""
     import torch
 
-    from infosieve_fast import checkpoint, engine, loss_monitor, model
+    from infosieve_fast import checkpoint, kmeans, loss_monitor, model
     from infosieve_fast.kmeans import restarts as kmeans_restarts
 
     count = [0]
@@ -112,7 +130,7 @@ def patch(kind: str, n: int) -> None:
         loss_monitor.LossMonitor.record = signalling
     elif kind == "sigterm-kmeans":
         update = kmeans_restarts._update_centers
-        rounds, signalled = engine.semi_supervised_kmeans, [False]
+        rounds, signalled = kmeans.semi_supervised_kmeans, [False]
 
         def round_(*args, **kwargs):
             if len(args) > 1 and args[1] is not None and hit():  # a round with labelled samples: an epoch's or before
@@ -125,7 +143,8 @@ def patch(kind: str, n: int) -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
             return update(*args, **kwargs)
 
-        engine.semi_supervised_kmeans, kmeans_restarts._update_centers = round_, updating
+        training_kmeans(round_)
+        kmeans_restarts._update_centers = updating
     elif kind == "mid-step":
         record = loss_monitor.LossMonitor.record
 
@@ -176,7 +195,7 @@ def patch(kind: str, n: int) -> None:
 
         checkpoint.save_checkpoint = saving
     elif kind == "kmeans":
-        ss_kmeans, update = engine.semi_supervised_kmeans, kmeans_restarts._update_centers
+        ss_kmeans, update = kmeans.semi_supervised_kmeans, kmeans_restarts._update_centers
         armed = [False]
 
         def clustering(*args, **kwargs):
@@ -188,7 +207,8 @@ def patch(kind: str, n: int) -> None:
                 die()
             return update(*args, **kwargs)
 
-        engine.semi_supervised_kmeans, kmeans_restarts._update_centers = clustering, updating
+        training_kmeans(clustering)
+        kmeans_restarts._update_centers = updating
     elif kind == "feature-pass":
         features = model.InfoSieve.features
 
