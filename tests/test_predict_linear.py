@@ -52,7 +52,7 @@ def counted(monkeypatch):
 
 
 def _load_all(items) -> list[np.ndarray]:
-    return [predict._load(source, 32, 3).numpy() for _, source in items]
+    return [predict._load(source, 32, 3, None)[0].numpy() for _, source in items]
 
 
 def test_bytes_read_per_image_do_not_grow_with_the_shard(tmp_path, counted):
@@ -73,7 +73,7 @@ def test_bytes_read_per_image_do_not_grow_with_the_shard(tmp_path, counted):
     assert small_reads == [len(v) for v in small.values()]
     assert counted == [len(v) for v in big.values()]
     for ours, key in zip(big_imgs, big, strict=True):  # the bytes read are the image webdataset stored
-        want = predict._load(io.BytesIO(big[key]), 32, 3).numpy()
+        want = predict._load(io.BytesIO(big[key]), 32, 3, None)[0].numpy()
         assert np.array_equal(ours, want)
     assert all(np.array_equal(a, b) for a, b in zip(small_imgs, big_imgs[:4], strict=True))
 
