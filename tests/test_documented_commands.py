@@ -70,6 +70,11 @@ PLAN = [
     Entry(r"pytest", "ci", "the tests: CI runs them"),
     Entry(r"infosieve train --config configs/demo\.yaml( --out \S+)?( --set \S+)*", "run"),
     Entry(r"infosieve train --resume \S+", "run"),
+    Entry(
+        r"infosieve estimate-k --run \S+ --json benchmarks/results/\S+",
+        "parse",
+        "rewrites a committed result; the same search runs here on the demo's run (infosieve estimate-k --run RUN)",
+    ),  # fmt: skip
     Entry(r"infosieve (eval|tree|report|estimate-k) --run \S+( --depth \d+)?", "run"),
     Entry(
         r"infosieve eval --run \S+ --split test",
