@@ -21,7 +21,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -29,7 +28,8 @@ import numpy as np
 
 from benchmarks import smoke
 from benchmarks.cub_subset import REALDATA
-from benchmarks.tools.provenance import stamp
+from benchmarks.harness import Stopwatch
+from benchmarks.tools.provenance import emit_json, stamp
 from infosieve_fast import cli
 from infosieve_fast.data.layouts import read_dataset
 from infosieve_fast.metrics import NO_LABEL, evaluate_split
@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--screenshot", type=Path, help="render round 1's gallery into this PNG")
     args = parser.parse_args(argv)
-    start = time.perf_counter()
+    clock = Stopwatch()
     cub = REALDATA / "cub100"
     species = {int(i): n for i, n in (line.split(", ") for line in (cub / "classes.txt").read_text().splitlines())}
     train_set = [f"schedule.epochs={args.epochs}", f"kmeans.n_clusters={KNOWN + NOVEL}", "train.device=cpu"]
@@ -159,12 +159,9 @@ def main(argv=None) -> dict:
         "still_unlabelled": len(still),
         "round1": scores(truth, {p: first[p] for p in still}),
         "round2": scores(truth, second),
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": round(clock.seconds(), 1),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     return result
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import time
 
 import numpy as np
 import torch
 
 from benchmarks import smoke
+from benchmarks.harness import Stopwatch
 from benchmarks.tools.provenance import emit_json
 from infosieve_fast.data.splits import gcd_split
 from infosieve_fast.estimate_k import estimate_k
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     feats, y = load_classes(args.features, lo, hi)
     known = args.known if args.known is not None else (hi - lo + 1) // 2
     labelled = np.asarray(gcd_split(y, list(range(known)), 0.5, 0)[0], bool)
-    start = time.perf_counter()
+    clock = Stopwatch()
     samples = {"all": np.arange(len(y))}
     for r in range(args.resamples):
         keep = np.random.RandomState(r).choice(len(y), round(len(y) * (1 - args.drop)), replace=False)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             "rows": rows,
             "resample_k_spread": max(ks) - min(ks),
             "resample_k_max_shift": max(abs(k - rows[0]["k"]) for k in ks),
-            "seconds": round(time.perf_counter() - start, 1),
+            "seconds": round(clock.seconds(), 1),
         },
         args.json,
     )

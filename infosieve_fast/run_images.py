@@ -7,12 +7,11 @@ shows and what `infosieve export` copies. A folder whose image count changed sin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .data.layout_discovery import DISCOVERY, read_discovery
-from .data.shard_manifest import MANIFEST
+from .data.shard_manifest import MANIFEST, read_manifest
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ def run_manifest(run: Path, shards: str | None) -> dict:
             f"{path} not found: {run} trained on shards without a make-shards manifest, so its images' files are "
             "unknown (the gallery and export need a run on `make-shards --dataset discovery` shards)"
         )
-    return json.loads(path.read_text())
+    return read_manifest(path.parent, "train")
 
 
 def run_images(run: str | Path, shards: str | None) -> RunImages:
