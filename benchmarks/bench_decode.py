@@ -28,7 +28,7 @@ import torch
 from benchmarks import smoke
 from benchmarks.harness import Stopwatch, cpu_report, finish_cpu_report
 from benchmarks.synthetic_shards import add_cache_arguments, cached_synthetic_shards
-from infosieve_fast.data import shards as shards_mod
+from infosieve_fast.data.writing import shards as shards_mod
 
 
 def read_images(shards: Path, limit: int) -> list[bytes]:
@@ -49,8 +49,8 @@ def decode_augment(images: list[bytes], *, crop: int, batch: int, repeats: int) 
     """images/s of decode + two `crop` views, one thread. The decode is the DataLoader workers' (`_Reader`, decode on
     the CPU): stream's `decode_cpu` of each image, `cap_aspect` (no cap: the source's default), `pad_into` one canvas
     with the sizes; the views are `DeviceAugment.train_views` on the CPU."""
-    from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
-    from infosieve_fast.data.stream import cap_aspect, decode_cpu, pad_into
+    from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
+    from infosieve_fast.data.reading.stream import cap_aspect, decode_cpu, pad_into
 
     def decoded(chunk: list[bytes]) -> tuple[torch.Tensor, torch.Tensor | None]:
         parts = [cap_aspect(decode_cpu(b), None) for b in chunk]

@@ -45,7 +45,7 @@ from benchmarks.harness import Stopwatch, sync, throughput, timed
 from benchmarks.pooled_shards import KIND, write_pooled_shards
 from benchmarks.tools.provenance import device_name, emit_json, stamp
 from infosieve_fast.config import load_config
-from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.data.reading.stream import ShardSource
 from infosieve_fast.engine import Trainer
 from infosieve_fast.loss_monitor import LossMonitor
 

@@ -43,10 +43,10 @@ from benchmarks import smoke
 from benchmarks.cub_subset import write_cub_subset
 from benchmarks.harness import timed
 from benchmarks.tools.provenance import emit_json, versions
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.data.layouts import read_dataset
-from infosieve_fast.data.shards import make_shards
-from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.writing.layouts import read_dataset
+from infosieve_fast.data.writing.shards import make_shards
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

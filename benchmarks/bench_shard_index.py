@@ -21,7 +21,7 @@ from benchmarks import smoke
 from benchmarks.harness import timed
 from benchmarks.tools.provenance import emit_json
 from infosieve_fast.config import IntakeConfig
-from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.data.reading.stream import ShardSource
 
 N_CLASSES = 10
 

@@ -47,7 +47,7 @@ from benchmarks import smoke
 from benchmarks.harness import Stopwatch, cpu_report, finish_cpu_report
 from benchmarks.process_memory import TreeMemory, has_psutil, memory_mb
 from benchmarks.synthetic_shards import add_cache_arguments, cached_synthetic_shards, palette
-from infosieve_fast.data.sampler import reference_labelled_share
+from infosieve_fast.data.reading.sampler import reference_labelled_share
 
 SHARE_TOLERANCE = 0.01
 FLAT_TOLERANCE = 0.10  # the last epoch's peak may exceed the first's by this fraction and still count as flat
@@ -92,7 +92,7 @@ def _collect(batches, colours: torch.Tensor) -> dict:
 def _run_epochs(rank: int, cfg: dict, barrier, queue) -> None:
     """Rank `rank`'s own ShardSource (rank r of world w, num_workers DataLoader workers); every epoch = feature pass +
     training batches, sent as ("epoch", rank, epoch, data)."""
-    from infosieve_fast.data.stream import ShardSource
+    from infosieve_fast.data.reading.stream import ShardSource
 
     # a spawned process inherits "spawn" as its default start method, so its DataLoaders would spawn their workers
     # (a fresh interpreter + torch import per worker, every pass); a torchrun-started rank has the platform default,
@@ -181,7 +181,7 @@ def stream_rehearsal(
     """Run the ranks (started by `start`: "spawn", fresh interpreters as torchrun starts them, or "fork", faster);
     `memory` starts sampling once they are started. Returns (per-epoch raw data {(epoch, rank): data}, {rank: stderr
     text})."""
-    import infosieve_fast.data.stream  # noqa: F401  (imported once here: forked ranks start with it)
+    import infosieve_fast.data.reading.stream  # noqa: F401  (imported once here: forked ranks start with it)
 
     ctx = mp.get_context(start)
     barrier, queue = ctx.Barrier(world), ctx.Queue()

@@ -94,9 +94,9 @@ from benchmarks.published import train as published
 from benchmarks.tools.provenance import device_name, emit_json, stamp, versions
 from infosieve_fast import checkpoint as ckpt
 from infosieve_fast.config import apply_overrides, from_dict
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.data.base import Batch
-from infosieve_fast.data.memory import InMemoryGCD
+from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.reading.base import Batch
+from infosieve_fast.data.reading.memory import InMemoryGCD
 from infosieve_fast.data.splits import gcd_split
 from infosieve_fast.engine import FeatureSet, Trainer
 from infosieve_fast.loss_monitor import LossMonitor

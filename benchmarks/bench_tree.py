@@ -97,7 +97,8 @@ def refuse_other_config(cfg, run_dir: Path) -> None:
 def run_one(cfg, run_dir: Path, depth: int) -> dict:
     """Train `cfg` in `run_dir`, resume it there if it was killed, or reuse it if it finished; then read what the run
     holds. `refuse_other_config` has checked the folder."""
-    from infosieve_fast.run_folder import code_tree, train
+    from infosieve_fast.run_folder import train
+    from infosieve_fast.run_reader import code_tree
 
     done = (run_dir / "metrics.json").is_file()
     with timed() as clock:
@@ -210,7 +211,7 @@ def main(argv=None) -> dict:
         print(json.dumps(result, indent=1))
         return result
 
-    from infosieve_fast.data.shards import make_shards
+    from infosieve_fast.data.writing.shards import make_shards
 
     data = subset_folder(args.out, args.classes, args.first_class)
     raw = write_cub_subset(REALDATA / "cub100", args.classes, data / "raw", first=args.first_class)

@@ -33,7 +33,7 @@ from benchmarks.cub_subset import REALDATA, write_cub_subset
 from benchmarks.harness import Stopwatch
 from benchmarks.tools.provenance import ROOT, device_name, emit_json, git_state
 from infosieve_fast.config import load_config
-from infosieve_fast.data.memory import InMemoryGCD
+from infosieve_fast.data.reading.memory import InMemoryGCD
 
 # What the cached views fix (`cache_views`: the config's backbone and its augmentation) or what has nothing to act on
 # (the variants train the heads on an identity backbone): a `--set` of these would change nothing, so it is refused.
@@ -76,8 +76,8 @@ def cache_views(shards: Path, n_views: int, path: Path) -> dict:
     """Backbone features of `n_views` training views and the centre view of every train sample (uq order)."""
     if path.is_file():
         return torch.load(path)
-    from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
-    from infosieve_fast.data.stream import ShardSource
+    from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
+    from infosieve_fast.data.reading.stream import ShardSource
     from infosieve_fast.model import build_backbone
 
     cfg = load_config(CONFIG)
@@ -154,7 +154,7 @@ def main(argv=None) -> dict:
             "and augmentation, so this would change nothing; benchmarks/bench_tree.py trains the backbone with it"
         )
 
-    from infosieve_fast.data.shards import make_shards
+    from infosieve_fast.data.writing.shards import make_shards
 
     data = args.out / f"cub{args.classes}"
     raw = write_cub_subset(REALDATA / "cub100", args.classes, data / "raw")

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.harness import timed
-from infosieve_fast.data import shards as shards_mod
-from infosieve_fast.data.layouts import RawDataset
+from infosieve_fast.data.writing import shards as shards_mod
+from infosieve_fast.data.writing.layouts import RawDataset
 
 GENERATOR_VERSION = 1  # bump when the synthetic images change: the cache folders are named by it
 DATASET = "imagefolder"  # make-shards' generic layout name: no reference counts to compare against

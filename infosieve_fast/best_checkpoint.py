@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,12 +38,12 @@ import torch
 from torch import Tensor
 
 from . import checkpoint as ckpt
+from .run_reader import BEST, BEST_CHECKPOINT, read_best
 
-if TYPE_CHECKING:  # the run-folder readers import this module without the training stack
+if TYPE_CHECKING:
     from .engine import Trainer
     from .evaluation import Evaluator, FeatureSet
 
-BEST_CHECKPOINT, BEST = "checkpoint-best.pt", "best.json"
 HIGHER_IS_BETTER = {"labelled_holdout": True, "kmeans_objective": False}
 KMEANS_RUNS = 4  # k-means runs averaged per holdout score (estimate_k's default number of seeds)
 _TRAINING_ONLY = ("optimizer", "torch_rng")  # what the best checkpoint leaves out: it is read, never resumed
@@ -229,45 +228,3 @@ def write_best(run_dir: Path, state: dict) -> None:
     kept = {k: v for k, v in state.items() if k not in _TRAINING_ONLY}
     ckpt.atomic_write(run_dir / BEST_CHECKPOINT, lambda f: torch.save(kept, f))
     ckpt.write_json(run_dir / BEST, state["best"])
-
-
-def read_best(run_dir: str | Path) -> dict | None:
-    """RUN/best.json, None when the run keeps no best checkpoint (yet)."""
-    path = Path(run_dir) / BEST
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-# ------------------------------------------------------------------------------------------------ reading a run back
-CHECKPOINTS = ("last", "best")
-
-
-def describe(state: dict, which: str) -> str:
-    """What `eval`, `report` and `compare` say they read: "last, epoch E" or "best (criterion, epoch E)"."""
-    if which == "last":
-        return f"last, epoch {state['epoch']}"
-    return f"best ({state['best']['criterion']}, epoch {state['best']['epoch']})"
-
-
-def load(run_dir: str | Path, which: str = "last", map_location="cpu") -> tuple[dict, str]:
-    """(state, `describe`'s words) of the run's last or best checkpoint."""
-    if which not in CHECKPOINTS:
-        raise ValueError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}, got {which!r}")
-    if which == "best" and not (Path(run_dir) / BEST_CHECKPOINT).is_file():
-        raise FileNotFoundError(
-            f"no {BEST_CHECKPOINT} in {run_dir}: the run keeps only its last checkpoint (checkpoint.best: none). Read "
-            "it with --checkpoint last, or train with --set checkpoint.best=labelled_holdout (or kmeans_objective)"
-        )
-    name = ckpt.CHECKPOINT if which == "last" else BEST_CHECKPOINT
-    state = ckpt.load_checkpoint(run_dir, map_location=map_location, name=name)
-    return state, describe(state, which)
-
-
-def describe_run(run_dir: str | Path, which: str = "last") -> str:
-    """`describe` of a run folder's checkpoint, read memory-mapped (cheap: no tensor is loaded)."""
-    if which not in CHECKPOINTS:
-        raise ValueError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}, got {which!r}")
-    path = Path(run_dir) / (ckpt.CHECKPOINT if which == "last" else BEST_CHECKPOINT)
-    if not path.is_file():
-        return f"{which}: no {path.name} in {run_dir}"
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return describe(state, which)

@@ -10,7 +10,7 @@ from pathlib import Path
 from . import config as config_mod
 from . import distributed
 from .checkpoint import DiskWriteError
-from .data import shards
+from .data.writing import shards
 from .preemption import PREEMPTED_EXIT, Preempted
 
 AUTO = "auto"  # `--resume auto`: what a relaunched command line (torchrun --max-restarts, a requeued job) passes
@@ -43,16 +43,13 @@ def _train(args: argparse.Namespace) -> int:
     if not args.config:
         raise UsageError("train needs --config FILE (see configs/) or --resume RUN_DIR")
     cfg = config_mod.load_config(args.config, overrides)
-    from .trainer_setup import resolve_device
+    from .trainer_setup import started_run
 
-    resolve_device(cfg.train.device)  # a device this machine lacks is refused before anything else
-    from .trainer_setup import wants_cuda
-
-    with distributed.process_group_from_env(wants_cuda(cfg.train.device)):  # torchrun: every rank, one run folder
+    with started_run(cfg.train.device) as device:  # torchrun: every rank, one run folder
         stamp = distributed.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
         run_dir = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{stamp}"
         resume = args.resume == AUTO and _resume_automatically(cfg, args, run_dir)
-        _interruptible(lambda: train(cfg, run_dir, resume=resume), run_dir)
+        _interruptible(lambda: train(cfg, run_dir, resume=resume, device=device), run_dir)
     return 0
 
 
@@ -101,12 +98,14 @@ def _interruptible(run, run_dir: Path) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .run_folder import assignment_centers, print_table, read_run
+    from .run_folder import print_table
+    from .run_reader import assignment_centers, read_run
 
     trainer, read = read_run(args.run, args.checkpoint)
     print(f"checkpoint: {read}")
     if args.split == "test":
-        metrics = trainer.evaluate_test(assignment_centers(trainer, args.run, args.checkpoint))
+        centers = assignment_centers(trainer, args.run, args.checkpoint)
+        metrics = trainer.evaluator().evaluate_test(centers, trainer.cfg.data.shards)
     else:
         metrics = trainer.evaluate()
     print_table({f"{args.checkpoint} ({args.split})": metrics}, trainer.cfg.train.eval_protocol)
@@ -120,7 +119,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _tree(args: argparse.Namespace) -> int:
     from .checkpoint import write_json
     from .code_metrics import format_code_measures
-    from .run_folder import code_tree
+    from .run_reader import code_tree
     from .tree import format_tree
 
     tree = code_tree(args.run, args.depth, args.checkpoint)
@@ -200,7 +199,7 @@ def _estimate_k(args: argparse.Namespace) -> int:
         feats, targets, labelled = load_features(args.features, args.known_classes)
         n_old = args.known_classes
     else:
-        from .run_folder import trainer_from_run
+        from .run_reader import trainer_from_run
 
         trainer = trainer_from_run(args.run)
         fs = trainer.extract_features("test")

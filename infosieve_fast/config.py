@@ -125,7 +125,7 @@ class DigitsConfig:
 
 @dataclass
 class IntakeConfig:
-    """WebDataset shards written by other tools (no manifest.json; data/intake.py). The image is the first of
+    """WebDataset shards written by other tools (no manifest.json; data/reading/intake.py). The image is the first of
     `image_keys` present, the label a class id or name under `label_key`, or the field `label_field` of that (json)
     member; `class_list`: class names, one per line. The split is make-shards': `known_classes` (ids or names; null:
     the first half), `labelled_prop` of their images labelled, chosen by `split_seed`."""
@@ -144,9 +144,9 @@ class IntakeConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "shards"  # "shards" (data/stream.py) | "digits" (the embedded demo set)
+    source: str = "shards"  # "shards" (data/reading/stream.py) | "digits" (the embedded demo set)
     # A folder written by `infosieve make-shards`, or WebDataset shards from anywhere: a folder of tars, a brace
-    # pattern (train-{000000..000009}.tar), a glob, or a list of these (data/intake.py).
+    # pattern (train-{000000..000009}.tar), a glob, or a list of these (data/reading/intake.py).
     shards: str | list | None = None
     batch_size: int = 128
     feature_batch_size: int = 256
@@ -158,7 +158,7 @@ class DataConfig:
     color_jitter: float = 0.0  # the reference's ColorJitter() is the identity: 0 keeps parity
     num_workers: int = 4
     memory_threshold_mb: float = 4096  # shards: keep the decoded split in RAM below this decoded size
-    # Shards (data/stream.py). Sampling "weighted": N draws per epoch with the reference's WeightedRandomSampler
+    # Shards (data/reading/stream.py). Sampling "weighted": N draws per epoch with the reference's WeightedRandomSampler
     # weights | "shuffle": a permutation (every sample once per epoch, no re-weighting).
     sampling: str = "weighted"
     cache: str = "auto"  # decoded split kept on "gpu" | "cpu" | "off" (stream); "auto": GPU if it fits, else RAM

@@ -23,10 +23,10 @@ from . import distributed as dist
 from .compiling import CompileOutcome, check_compile_setting, compile_with_fallback, compiled_modules, trace_graphs
 from .config import Config
 from .data import InMemoryGCD, build_source
-from .data.augment import AugmentConfig, DeviceAugment
-from .data.base import Batch, GCDSource
-from .data.decode import DecodeWindow
-from .evaluation import ClusterCount, Clustering, Evaluation, Evaluator, FeatureSet, epoch_log
+from .data.reading.augment import AugmentConfig, DeviceAugment
+from .data.reading.base import Batch, GCDSource
+from .data.reading.decode import DecodeWindow
+from .evaluation import ClusterCount, Clustering, Evaluation, Evaluator, FeatureSet
 from .loss import InfoSieveLoss, check_labelled_targets
 from .loss_monitor import LossMonitor
 from .model import Backbone
@@ -47,14 +47,22 @@ from .trainer_setup import (
 
 
 class Trainer:
-    """Training of `cfg` on `source` (built from `cfg.data` when None). `pretrained=False` for a trainer a checkpoint
-    fills (`load_state_dict`, `load_model_state`): its backbone is built without `model.pretrained`."""
+    """Training of `cfg` on `source` (built from `cfg.data` when None) on `device`: a run hands down the one its start
+    resolved (`trainer_setup.started_run`); None resolves `train.device` for a trainer used alone (a run read back, a
+    test). `pretrained=False` for a trainer a checkpoint fills (`load_state_dict`, `load_model_state`): its backbone is
+    built without `model.pretrained`."""
 
     def __init__(
-        self, cfg: Config, source: GCDSource | None = None, backbone: Backbone | None = None, *, pretrained: bool = True
+        self,
+        cfg: Config,
+        source: GCDSource | None = None,
+        backbone: Backbone | None = None,
+        *,
+        device: torch.device | None = None,
+        pretrained: bool = True,
     ):
         self.cfg = cfg
-        self.device = resolve_device(cfg.train.device)
+        self.device = device if device is not None else resolve_device(cfg.train.device)
         self.source = source if source is not None else build_source(cfg.data, cfg.train, self.device)
         check_source_fits(cfg, self.source)
         if self.device.type == "cuda" and isinstance(self.source, InMemoryGCD):
@@ -128,15 +136,6 @@ class Trainer:
         """`evaluate`, with the clustering it scored (`Evaluator.evaluate`)."""
         fs = self.extract_features("test")
         return self.evaluator().score_clustering(fs, self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced))
-
-    def evaluate_test(self, centers: Tensor) -> dict[str, float]:
-        """`Evaluator.evaluate_test`: inductive All/Old/New on the held-out test split, nearest of `centers`."""
-        return self.evaluator().evaluate_test(centers, self.cfg.data.shards)
-
-    def evaluate_epoch(self) -> dict:
-        """`train.eval_every`'s log entries of the current weights (`evaluation.epoch_log`)."""
-        full = self.evaluate_full()
-        return epoch_log(self.evaluator(), full)
 
     # ------------------------------------------------------------------------------------------------ training
     def train_epoch(self, epoch: int) -> dict:

@@ -21,8 +21,8 @@ from torch import Tensor
 from . import distributed as dist
 from .compiling import CompileOutcome
 from .config import KMeansConfig
-from .data.augment import DeviceAugment
-from .data.base import GCDSource
+from .data.reading.augment import DeviceAugment
+from .data.reading.base import GCDSource
 from .discovery import unscored_parts
 from .kmeans import semi_supervised_kmeans
 from .metrics import evaluate_split

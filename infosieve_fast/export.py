@@ -1,8 +1,8 @@
 """`infosieve export --run RUN --out DIR`: the run's discovery folder written again with its named clusters as known
 classes, for the next round (`make-shards --dataset discovery` then `train` read them as labelled).
 
-DIR gets the layout make-shards read (data/layout_discovery.py): every image of `labelled/<class>/` as it was, each
-pool image of a named cluster (RUN/names.json, by the final clustering RUN/clustering.npz) under
+DIR gets the layout make-shards read (data/writing/layout_discovery.py): every image of `labelled/<class>/` as it
+was, each pool image of a named cluster (RUN/names.json, by the final clustering RUN/clustering.npz) under
 `labelled/<name>/` at its path below `unlabelled/`, and every other pool image (of an unnamed cluster, or left out of
 the clustering as unreadable) under `unlabelled/` where it was. Files are hard-linked where the file system allows,
 copied where not; the user's folder is only read. Files that are not images (by extension) are not written, as

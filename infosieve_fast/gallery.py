@@ -115,7 +115,7 @@ def run_gallery(run: Path, clustering: dict, checkpoint: str, depth: int) -> tup
     """The gallery section of the run's last (or best) checkpoint, and the category tree of the same pass's codes to
     `depth` (what the report draws when no tree.json was written)."""
     from .cluster_names import read_names
-    from .run_folder import assignment_centers, read_run
+    from .run_reader import assignment_centers, read_run
     from .tree import build_tree
 
     trainer, _ = read_run(run, checkpoint)

@@ -44,18 +44,17 @@ from torch import Tensor
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
-from .best_checkpoint import describe
-from .best_checkpoint import load as load_run_checkpoint
 from .cluster_names import read_names
 from .config import from_saved
-from .data.augment import AugmentConfig, DeviceAugment
-from .data.decode import pad_into
-from .data.intake import SHARD_SUFFIXES, is_manifest_folder, parse_image_keys, shard_paths
-from .data.stream import decode_image
-from .data.tar import IMAGE_KEYS, image_members, read_span
+from .data.reading.augment import AugmentConfig, DeviceAugment
+from .data.reading.decode import pad_into
+from .data.reading.intake import SHARD_SUFFIXES, is_manifest_folder, parse_image_keys, shard_paths
+from .data.reading.stream import decode_image
+from .data.reading.tar import IMAGE_KEYS, image_members, read_span
 from .discovery import cluster_name
 from .model import InfoSieve
 from .run_assignment import RunAssignments, content_hash, run_assignments
+from .run_reader import describe, load_run_checkpoint
 from .trainer_setup import resolve_device
 from .tree import code_strings
 
@@ -78,7 +77,7 @@ def model_from_run(run_dir: str | Path, device: torch.device, checkpoint: str = 
 def centers_from_run(run_dir: str | Path, state: dict, checkpoint: str) -> Tensor:
     """The centres new images are assigned to: the last checkpoint's final clustering; for the best checkpoint, its
     weights' clustering of the run's train samples, computed again (the run's data must still be where it was)."""
-    from .run_folder import assignment_centers, trainer_from_run
+    from .run_reader import assignment_centers, trainer_from_run
 
     if checkpoint == "best":
         return assignment_centers(trainer_from_run(run_dir, "best"), run_dir, "best")
@@ -153,7 +152,7 @@ def _load(
     the image's stored-content hash when the run's own clusters are looked up (`assignments`), else None."""
     from PIL import Image
 
-    from .data.encode import resize_image
+    from .data.writing.encode import resize_image
 
     if isinstance(source, ShardImage):
         data = read_span(source.tar, source.offset, source.length)

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .best_checkpoint import describe_run
 from .checkpoint import read_log
 from .discovery import run_pool_section, unscored_notes, unscored_parts
 from .metrics import NO_LABEL
+from .run_reader import describe_run
 
 TREE_DEPTH = 4
 
@@ -330,7 +330,7 @@ def metrics_table(metrics: dict, unscored: dict) -> str:
 def best_checkpoint_view(run: Path, depth: int) -> tuple[str, dict, dict, dict]:
     """What the report shows of RUN/checkpoint-best.pt: (what was read, its All/Old/New on the unlabelled train
     samples, that clustering as `write_report` takes it, its tree to `depth`)."""
-    from .run_folder import read_run, trainer_tree
+    from .run_reader import read_run, trainer_tree
 
     trainer, read = read_run(run, "best")
     ev = trainer.evaluate_full()

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .data.encode import encode_pil
-from .data.intake import is_manifest_folder
-from .data.layout_discovery import DISCOVERY
+from .data.reading.intake import is_manifest_folder
+from .data.reading.tar import image_members, open_mmap
+from .data.shard_format import DISCOVERY
 from .data.shard_manifest import MANIFEST
-from .data.tar import image_members, open_mmap
-from .run_folder import CLUSTERING
+from .data.writing.encode import encode_pil
+from .run_reader import CLUSTERING
 
 
 @dataclass(frozen=True)

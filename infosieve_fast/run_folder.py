@@ -1,9 +1,9 @@
-"""A run folder's lifecycle: `train` opens a new run or resumes one, trains its epochs and evaluates it at the end;
-`trainer_from_run` and `code_tree` read a run back. Every rank makes the same calls; only rank 0 writes and prints.
+"""A run folder's lifecycle: `train` opens a new run or resumes one, trains its epochs and evaluates it at the end
+(`run_reader.py` reads a run back). Every rank makes the same calls; only rank 0 writes and prints.
 
 RUN/config.yaml      the run's config: written when the run opens, rewritten by a resume's `--set`
 RUN/fingerprint.json the environment the run started in (fingerprint.py); each resume's in fingerprint-resumes.jsonl
-RUN/log.jsonl        one line per finished epoch (`Trainer.train_epoch`'s record, `evaluate_epoch`'s entries)
+RUN/log.jsonl        one line per finished epoch (`Trainer.train_epoch`'s record, `epoch_log`'s entries)
 RUN/checkpoint.pt    after every epoch, and after the final evaluation (with its k-means centres)
 RUN/checkpoint-best.pt, RUN/best.json   the best epoch by `checkpoint.best`'s criterion (best_checkpoint.py)
 RUN/resumes.jsonl    one line per resume with `--set`: the epoch it continued at, the strings and what they changed
@@ -15,6 +15,7 @@ RUN/tensorboard/     the log's numbers as scalars (`train.tensorboard`)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import time
@@ -26,18 +27,26 @@ import torch
 from . import checkpoint as ckpt
 from . import distributed as dist
 from . import fingerprint
-from .best_checkpoint import BEST, BEST_CHECKPOINT, BestCheckpoint, write_best
-from .best_checkpoint import load as load_run_checkpoint
-from .config import Config, ConfigError, config_drift, from_saved, save_config
-from .data.base import GCDSource
+from .best_checkpoint import BestCheckpoint, write_best
+from .config import Config, ConfigError, config_drift, save_config
+from .data.reading.base import GCDSource
 from .engine import Evaluation, Trainer, status_line
+from .evaluation import epoch_log
 from .model import Backbone
 from .preemption import MidEpoch, Preempted, StoppedMidEpoch, StopSignals
-from .trainer_setup import resolve_device, wants_cuda
-from .tree import build_tree, code_strings
+from .run_reader import (
+    BEST,
+    BEST_CHECKPOINT,
+    CLUSTERING,
+    CONFIG,
+    LOG,
+    METRICS,
+    RESUMES,
+    TENSORBOARD,
+    UNREADABLE,
+)
+from .trainer_setup import started_run
 
-CONFIG, LOG, METRICS, RESUMES = "config.yaml", "log.jsonl", "metrics.json", "resumes.jsonl"
-UNREADABLE, CLUSTERING, TENSORBOARD = "unreadable.json", "clustering.npz", "tensorboard"
 # what a run killed before its first checkpoint can leave; a folder holding only these is started again
 _LEFTOVERS = {CONFIG, LOG, RESUMES, UNREADABLE, TENSORBOARD, fingerprint.FINGERPRINT, BEST_CHECKPOINT, BEST}
 
@@ -51,6 +60,7 @@ def train(
     backbone: Backbone | None = None,
     stop_after: Callable[[int], bool] | None = None,
     overrides: Sequence[str] = (),
+    device: torch.device | None = None,
 ) -> dict | None:
     """Train (or resume) a run in `run_dir`; returns metrics.json's content, or None if `stop_after` ended it early.
 
@@ -59,18 +69,23 @@ def train(
     strings already applied to `cfg`), which are recorded in RUN/resumes.jsonl and RUN/config.yaml; the backbone is
     built without `model.pretrained` (the checkpoint holds every weight). A folder with no checkpoint yet (a run killed
     before its first epoch ended) starts again from scratch, resumed or not.
-    Launched by torchrun (env WORLD_SIZE > 1) it starts the process group itself unless one exists; with a group,
-    every rank calls this with the same arguments (all ranks read the checkpoint to resume; rank 0 writes the folder).
+    `device`: the run's device where the caller has started the run (`trainer_setup.started_run`, which also opens
+    torchrun's process group); None: this call starts it. With a group, every rank calls this with the same arguments
+    (all ranks read the checkpoint to resume; rank 0 writes the folder).
     SIGTERM or SIGUSR1 stops the run at its next step or epoch boundary with a checkpoint, and raises `Preempted`
     (preemption.py).
     """
-    with dist.process_group_from_env(wants_cuda(cfg.train.device)), StopSignals() as stop:
-        return _train(cfg, Path(run_dir), resume, source, backbone, stop_after, list(overrides), stop)
+    with contextlib.ExitStack() as stack:
+        if device is None:
+            device = stack.enter_context(started_run(cfg.train.device))
+        stop = stack.enter_context(StopSignals())
+        return _train(cfg, Path(run_dir), device, resume, source, backbone, stop_after, list(overrides), stop)
 
 
 def _train(
     cfg: Config,
     run_dir: Path,
+    device: torch.device,
     resume: bool,
     source: GCDSource | None,
     backbone: Backbone | None,
@@ -79,7 +94,6 @@ def _train(
     stop: StopSignals,
 ) -> dict | None:
     started = time.perf_counter()
-    device = resolve_device(cfg.train.device)  # a device this machine lacks is refused before any work
     state = None
     if resume and (run_dir / ckpt.CHECKPOINT).is_file():
         state, finished = resume_run(cfg, run_dir, overrides, device)
@@ -87,7 +101,7 @@ def _train(
             return finished_result(cfg, run_dir)
     else:
         prepare_new_folder(run_dir, device)
-    trainer = Trainer(cfg, source, backbone, pretrained=state is None)
+    trainer = Trainer(cfg, source, backbone, device=device, pretrained=state is None)
     trainer.stop = stop
     if state is not None:
         trainer.load_state_dict(state)
@@ -298,7 +312,7 @@ def train_and_record_epoch(
     best.judge(trainer.evaluator(), record)
     every = cfg.train.eval_every
     if every and (epoch + 1) % every == 0:
-        record.update(trainer.evaluate_epoch())
+        record.update(epoch_log(trainer.evaluator(), trainer.evaluate_full()))
     if per_epoch_peak:
         record.update(peak_memory(trainer.device))
     if board is not None:
@@ -442,64 +456,3 @@ def print_next_steps(run_dir: Path, test_split: bool = False) -> None:
     print(f"  infosieve eval --run {run}     # All/Old/New from the checkpoint{test}")
     print(f"  infosieve tree --run {run}     # the category tree of the learned codes")
     print(f"  infosieve report --run {run}   # report.html: losses, schedules, accuracy, confusion, the tree")
-
-
-# ------------------------------------------------------------------------------------------------ read a run back
-def trainer_from_run(run_dir: str | Path, checkpoint: str = "last") -> Trainer:
-    """A trainer holding a run folder's last (or best) checkpoint (its config and weights), for commands that read a
-    run."""
-    return read_run(run_dir, checkpoint)[0]
-
-
-def read_run(run_dir: str | Path, checkpoint: str = "last") -> tuple[Trainer, str]:
-    """`trainer_from_run`, and what it read: "last, epoch E" or "best (criterion, epoch E)"."""
-    state, read = load_run_checkpoint(run_dir, checkpoint)
-    trainer = Trainer(from_saved(state["config"]), pretrained=False)
-    trainer.load_model_state(state)
-    return trainer, read
-
-
-def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last") -> dict:
-    """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`, under "checkpoint" what was
-    read and, for the last checkpoint of a run with an unlabelled pool, under "novel_clusters" each novel cluster's
-    place in the tree (cluster_places.py)."""
-    from .cluster_places import run_places
-    from .code_metrics import code_features
-
-    trainer, read = read_run(run_dir, checkpoint)
-    fs = code_features(trainer.evaluator())
-    tree = trainer_tree(trainer, max_depth, fs) | {"checkpoint": read}
-    if checkpoint == "last" and trainer.centers is not None:  # RUN/clustering.npz is the last checkpoint's
-        length, uq = trainer.cfg.model.code_length, fs.uq.tolist()
-        codes = dict(zip(uq, code_strings(fs.feats[:, :length], fs.feats[:, length:]), strict=True))
-        targets = dict(zip(uq, fs.targets.tolist(), strict=True))
-        names = list(trainer.source.class_names)
-        places = run_places(run_dir, codes, targets, names, len(trainer.centers), max_depth)
-        if places:
-            tree["novel_clusters"] = places
-    return tree
-
-
-def assignment_centers(trainer: Trainer, run_dir: str | Path, checkpoint: str) -> torch.Tensor:
-    """The train clustering's centres that test or new images are assigned to: the last checkpoint holds the final
-    evaluation's; the best one holds its epoch's pseudo-label round (features of the weights before that epoch), so
-    its evaluation's SS-k-means runs again."""
-    if checkpoint == "best":
-        return trainer.evaluate_full().clustering.centers
-    if trainer.centers is None:
-        raise ValueError(f"{run_dir}'s checkpoint holds no k-means centres (it predates them): train it again")
-    return trainer.centers
-
-
-def trainer_tree(trainer: Trainer, max_depth: int = 8, fs=None) -> dict:
-    """The implicit category tree of a trainer's weights: codes of the train samples (test view), cut by the mask.
-    The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples).
-    `fs`: `code_metrics.code_features(trainer.evaluator())`, if already computed."""
-    from .code_metrics import code_features, evaluate_codes
-
-    fs = fs if fs is not None else code_features(trainer.evaluator())
-    length = trainer.cfg.model.code_length
-    tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
-    tree["measures"] = evaluate_codes(trainer.evaluator(), fs)
-    tree["class_names"] = list(trainer.source.class_names)  # target order: what the report labels nodes with
-    return tree

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data.layout_discovery import DISCOVERY, read_discovery
+from .data.shard_format import DISCOVERY
 from .data.shard_manifest import MANIFEST, read_manifest
+from .data.writing.layout_discovery import read_discovery
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .best_checkpoint import describe_run, read_best
 from .checkpoint import read_log
 from .config import Config, load_config
 from .metrics import PROTOCOLS, evaluate_split
-from .run_folder import CLUSTERING, CONFIG, LOG, METRICS
+from .run_reader import CLUSTERING, CONFIG, LOG, METRICS, describe_run, read_best
 
 TREE = "tree.json"
 PARTS = ("all", "old", "new")

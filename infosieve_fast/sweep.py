@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import run_folder
+from . import run_folder, run_reader
 from .checkpoint import write_json
 from .config import Config, apply_overrides, config_drift, from_dict, from_saved, load_config
 from .run_results import PARTS, TREE, format_spread, markdown_table, read_run, summarise_runs
@@ -180,16 +180,16 @@ def run_dir(sweep_dir: Path, run: dict) -> Path:
 def is_done(sweep_dir: Path, run: dict) -> bool:
     """Trained, evaluated (metrics.json) and its codes measured (tree.json)."""
     folder = run_dir(sweep_dir, run)
-    return (folder / run_folder.METRICS).is_file() and (folder / TREE).is_file()
+    return (folder / run_reader.METRICS).is_file() and (folder / TREE).is_file()
 
 
 def run_one(sweep_dir: Path, plan: dict, run: dict) -> None:
     """Train (or continue) one planned run in this process, then measure its codes (RUN/tree.json)."""
     folder = run_dir(sweep_dir, run)
-    if not (folder / run_folder.METRICS).is_file():
+    if not (folder / run_reader.METRICS).is_file():
         run_folder.train(run_config(plan, run), folder, resume=True)  # with no checkpoint yet: from scratch
     if not (folder / TREE).is_file():
-        write_json(folder / TREE, run_folder.code_tree(folder))
+        write_json(folder / TREE, run_reader.code_tree(folder))
 
 
 def run_in_order(sweep_dir: Path, plan: dict, pending: list[dict]) -> None:

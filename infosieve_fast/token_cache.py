@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .data.base import Batch
-from .data.cache import cache_device
+from .data.reading.base import Batch
+from .data.reading.cache import cache_device
 from .notices import notice
 
 GPU_SHARE = 0.25  # of the free GPU memory when the first batch is seen: training needs the rest

@@ -1,15 +1,17 @@
-"""What a Trainer is built from: the device, the seeds of an epoch's random streams, the optimizer and the model, and
-the checks that the data fits the settings."""
+"""What a Trainer is built from: the device (resolved once where a run starts, `started_run`), the seeds of an
+epoch's random streams, the optimizer and the model, and the checks that the data fits the settings."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from . import distributed as dist
 from .config import Config, ConfigError
-from .data.base import GCDSource
+from .data.reading.base import GCDSource
 from .model import Backbone, InfoSieve
 from .notices import notice
 
@@ -26,15 +28,22 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"train.device={name!r} but no CUDA device is available: use train.device=cpu or auto")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"train.device={name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type == "cuda" and dist.get_world_size() > 1:
+    world = dist.get_world_size() if dist.is_distributed() else dist.env_world_size()  # before torchrun's group too
+    if device.type == "cuda" and world > 1:
         if device.index is not None:
             raise ValueError(f"train.device={name!r}: under torchrun each rank uses cuda:LOCAL_RANK; set cuda or auto")
         device = torch.device("cuda", dist.local_rank())
     return device
 
 
-def wants_cuda(name: str) -> bool:
-    return name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
+@contextmanager
+def started_run(device_name: str) -> Iterator[torch.device]:
+    """Where a training run starts: `train.device` resolved (a device this machine lacks is refused before any work)
+    and, launched by torchrun, the process group opened on it (ended on the way out if this block started it). The
+    device is handed down from here; nothing below resolves it again."""
+    device = resolve_device(device_name)
+    with dist.process_group_from_env(device.type == "cuda"):
+        yield device
 
 
 def autocast_enabled(amp: str, device: torch.device) -> bool:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infosieve_fast.data.augment import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DeviceAugment
-from infosieve_fast.data.base import Batch
-from infosieve_fast.data.pools import BufferPool
+from infosieve_fast.data.reading.augment import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, DeviceAugment
+from infosieve_fast.data.reading.base import Batch
+from infosieve_fast.data.reading.pools import BufferPool
 
 
 def _images(b: int = 6, h: int = 40, w: int = 48) -> torch.Tensor:

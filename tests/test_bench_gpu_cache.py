@@ -10,9 +10,9 @@ import torch
 
 from benchmarks import bench_gpu_cache
 from benchmarks.pooled_shards import pooled_natural_image
-from infosieve_fast.data import stream
-from infosieve_fast.data.cache import cache_device
-from infosieve_fast.data.decode import decode_cpu
+from infosieve_fast.data.reading import stream
+from infosieve_fast.data.reading.cache import cache_device
+from infosieve_fast.data.reading.decode import decode_cpu
 
 N, SIZE = 40, 40
 

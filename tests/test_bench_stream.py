@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench_stream
-from infosieve_fast.data.sampler import reference_labelled_share
+from infosieve_fast.data.reading.sampler import reference_labelled_share
 
 N, CLASSES, BATCH, WORLD, EPOCHS = 1200, 10, 32, 2, 2
 TINY = [

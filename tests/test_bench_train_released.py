@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from benchmarks.published import model as pm
 from benchmarks.published import train as pt
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.metrics import split_cluster_acc_v1, split_cluster_acc_v2
 
 N_OLD, N_CLASSES, CODE_LENGTH = 2, 4, 8

@@ -89,7 +89,7 @@ def test_eval_every_eval_and_tree_report_the_code_measures(tmp_path, capsys):
     from collections import Counter
 
     from infosieve_fast.code_metrics import code_features
-    from infosieve_fast.run_folder import trainer_from_run
+    from infosieve_fast.run_reader import trainer_from_run
 
     fs = code_features(trainer_from_run(run).evaluator())
     unl = ~fs.labelled

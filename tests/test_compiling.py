@@ -11,6 +11,7 @@ from infosieve_fast import recompute
 from infosieve_fast.compiling import RECOMPILE_LIMIT, CompileOutcome, compile_with_fallback, compiled_modules
 from infosieve_fast.config import ConfigError, load_config
 from infosieve_fast.engine import Trainer
+from infosieve_fast.evaluation import epoch_log
 from infosieve_fast.model import Backbone, PrefixTokens
 
 FAKE_CUDA = torch.device("cuda")  # only the setting logic reads the device; the modules stay on the CPU
@@ -169,7 +170,7 @@ def test_after_the_probe_a_run_compiles_nothing_more(monkeypatch):
     graphs = counters["stats"]["unique_graphs"]
     trainer.evaluate()
     trainer.train_epoch(0)
-    trainer.evaluate_epoch()  # the cache's replay and the codes
+    epoch_log(trainer.evaluator(), trainer.evaluate_full())  # the cache's replay and the codes
     trainer.train_epoch(1)
     assert trainer.token_cache.replay("train") is not None
     assert counters["stats"]["unique_graphs"] == graphs

@@ -4,7 +4,7 @@ exactly those species' images (the held-out protocol chooses on one range and re
 import pytest
 
 from benchmarks.cub_subset import write_cub_subset
-from infosieve_fast.data.layouts import read_dataset
+from infosieve_fast.data.writing.layouts import read_dataset
 
 
 def test_a_range_of_species_is_renumbered_and_holds_exactly_their_images(realdata, tmp_path):

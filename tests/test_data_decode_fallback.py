@@ -16,10 +16,10 @@ from PIL import Image
 from torchvision.io import decode_jpeg
 
 from infosieve_fast.config import load_config
-from infosieve_fast.data import decode
-from infosieve_fast.data.decode import DecodeCounts, decode_gpu
-from infosieve_fast.data.shards import make_shards
-from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.data.reading import decode
+from infosieve_fast.data.reading.decode import DecodeCounts, decode_gpu
+from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.writing.shards import make_shards
 from infosieve_fast.engine import Trainer
 from tests.test_engine import SMOKE, _cifar_shards
 

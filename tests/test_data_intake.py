@@ -15,11 +15,11 @@ import torch
 from PIL import Image
 
 from infosieve_fast.config import ConfigError, IntakeConfig, load_config
-from infosieve_fast.data.intake import expand_braces, foreign_keys, index_locations, shard_paths
-from infosieve_fast.data.layouts import read_dataset
-from infosieve_fast.data.shards import make_shards, resize_image
-from infosieve_fast.data.stream import ShardSource
-from infosieve_fast.data.tar import image_hw, index_shard
+from infosieve_fast.data.reading.intake import expand_braces, foreign_keys, index_locations, shard_paths
+from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.tar import image_hw, index_shard
+from infosieve_fast.data.writing.layouts import read_dataset
+from infosieve_fast.data.writing.shards import make_shards, resize_image
 
 wds = pytest.importorskip("webdataset")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from infosieve_fast.config import IntakeConfig
-from infosieve_fast.data.intake import open_foreign, shard_paths
-from infosieve_fast.data.remote import cached_path
+from infosieve_fast.data.reading.intake import open_foreign, shard_paths
+from infosieve_fast.data.reading.remote import cached_path
 
 wds = pytest.importorskip("webdataset")
 

@@ -25,8 +25,10 @@ import pytest
 import torch
 from PIL import Image
 
-from infosieve_fast.data.layouts import read_dataset
-from infosieve_fast.data.shards import (
+from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.splits import gcd_split
+from infosieve_fast.data.writing.layouts import read_dataset
+from infosieve_fast.data.writing.shards import (
     MANIFEST,
     STATE,
     ShardsError,
@@ -37,8 +39,6 @@ from infosieve_fast.data.shards import (
     resized_size,
     run_cli,
 )
-from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.data.stream import ShardSource
 
 REAL = [
     ("cifar10_test", "imagefolder", ("cifar10_test", "test")),
@@ -270,7 +270,7 @@ def test_killed_make_shards_resumes(realdata, tmp_path):
     ref = make_shards("imagefolder", tree, tmp_path / "ref", shard_size_mb=0.1, workers=1, progress=False)
     out = tmp_path / "out"
     code = (
-        "from infosieve_fast.data.shards import make_shards; "
+        "from infosieve_fast.data.writing.shards import make_shards; "
         f"make_shards('imagefolder', {str(tree)!r}, {str(out)!r}, shard_size_mb=0.1, workers=1, progress=False)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1])

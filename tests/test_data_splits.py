@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from infosieve_fast.data import splits
-from infosieve_fast.data.layouts import LayoutError, read_dataset
 from infosieve_fast.data.splits import check_counts, class_split, gcd_split, split_counts
+from infosieve_fast.data.writing.layouts import LayoutError, read_dataset
 
 
 def _cifar_images(realdata: Path, n: int) -> tuple[list[Path], list[int]]:

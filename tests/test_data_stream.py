@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from infosieve_fast.data.sampler import reference_labelled_share
-from infosieve_fast.data.shards import make_shards
-from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.data.reading.sampler import reference_labelled_share
+from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.writing.shards import make_shards
 
 N_PER_CLASS, N_CLASSES = 30, 8  # 240 train images of real CIFAR-10 + a test split of 80
 
@@ -142,7 +142,7 @@ def test_tar_reader_matches_webdataset(shards, tmp_path, fmt):
     import io
     import tarfile
 
-    from infosieve_fast.data.tar import tar_samples
+    from infosieve_fast.data.reading.tar import tar_samples
 
     if fmt == "shard":
         path = str(next(iter(sorted(shards["one"].glob("*-train-*.tar")))))
@@ -174,7 +174,7 @@ def test_tar_reader_damage(shards, tmp_path):
     """A truncated or corrupted shard: the samples before the damage, then `tarfile.ReadError`."""
     import tarfile
 
-    from infosieve_fast.data.tar import tar_samples
+    from infosieve_fast.data.reading.tar import tar_samples
 
     shard = next(iter(sorted(shards["one"].glob("*-train-*.tar"))))
     src = shard.read_bytes()

@@ -12,11 +12,11 @@ import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
 
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.data.sampler import reference_labelled_share
-from infosieve_fast.data.shards import make_shards
-from infosieve_fast.data.stream import ShardSource
-from infosieve_fast.data.tar import index_shards
+from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.reading.sampler import reference_labelled_share
+from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.tar import index_shards
+from infosieve_fast.data.writing.shards import make_shards
 
 RESIZE, CROP = 32, 24
 SHAPES = [(48, 80), (90, 40), (32, 32), (60, 45)]  # (h, w) of the raw images: landscape, portrait, square

@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from infosieve_fast.data import stream, workers
-from infosieve_fast.data.shards import make_shards
-from infosieve_fast.data.stream import ShardSource
-from infosieve_fast.data.workers import worker_start_method
+from infosieve_fast.data.reading import stream, workers
+from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.workers import worker_start_method
+from infosieve_fast.data.writing.shards import make_shards
 
 
 @pytest.mark.parametrize(

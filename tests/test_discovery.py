@@ -19,10 +19,10 @@ from infosieve_fast import cli
 from infosieve_fast.code_metrics import code_measures
 from infosieve_fast.config import ConfigError, load_config
 from infosieve_fast.data import held_out_labelled
-from infosieve_fast.data.layouts import LayoutError, read_dataset
-from infosieve_fast.data.shards import make_shards
+from infosieve_fast.data.reading.stream import ShardSource
 from infosieve_fast.data.splits import discovery_split, holdout_mask
-from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.data.writing.layouts import LayoutError, read_dataset
+from infosieve_fast.data.writing.shards import make_shards
 from infosieve_fast.discovery import cluster_name, unscored_parts
 from infosieve_fast.engine import Trainer
 from infosieve_fast.metrics import NO_LABEL, evaluate_split

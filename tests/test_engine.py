@@ -8,7 +8,7 @@ import torch
 from infosieve_fast import cli
 from infosieve_fast.checkpoint import load_checkpoint, read_log, restore_rng_state, rng_state, save_checkpoint
 from infosieve_fast.config import load_config
-from infosieve_fast.data.base import Batch
+from infosieve_fast.data.reading.base import Batch
 from infosieve_fast.engine import Trainer
 from infosieve_fast.loss_monitor import LossMonitor, NonFiniteLoss
 from infosieve_fast.model import Backbone
@@ -105,7 +105,7 @@ def test_cli_reports_config_errors(tmp_path, capsys):
 
 
 def _cifar_shards(tmp_path, realdata):
-    from infosieve_fast.data.shards import make_shards
+    from infosieve_fast.data.writing.shards import make_shards
 
     raw = tmp_path / "raw"
     for cls in ("airplane", "automobile", "bird", "cat"):
@@ -135,7 +135,7 @@ def test_training_runs_from_shards(tmp_path, realdata):
 @pytest.mark.parametrize("cache", ["off", "cpu"])
 def test_an_unreadable_image_is_left_out_and_listed(tmp_path, realdata, cache):
     """A JPEG whose Huffman table is damaged: the run finishes without it, logs the count and lists it."""
-    from infosieve_fast.data.tar import index_shards
+    from infosieve_fast.data.reading.tar import index_shards
 
     cfg = _cifar_shards(tmp_path, realdata)
     shard = sorted((tmp_path / "shards").glob("*-train-*.tar"))[0]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from infosieve_fast import cli, run_folder
+from infosieve_fast import cli, run_folder, run_reader
 from infosieve_fast import engine as eng
 from infosieve_fast.checkpoint import read_log
 from infosieve_fast.config import load_config
@@ -200,7 +200,7 @@ def test_resume_and_single_process_eval_of_a_ddp_run(ddp):
         assert {k: v for k, v in a.items() if not k.startswith(("seconds", "peak_"))} == {
             k: v for k, v in b.items() if not k.startswith(("seconds", "peak_"))
         }
-    assert run_folder.trainer_from_run(out / "full").evaluate() == res[0]["full"]["after"]
+    assert run_reader.trainer_from_run(out / "full").evaluate() == res[0]["full"]["after"]
     assert cli.main(["eval", "--run", str(out / "full")]) == 0
 
 

@@ -7,9 +7,9 @@ import torch
 
 from infosieve_fast import cli
 from infosieve_fast.config import load_config
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.data.shards import make_shards
-from infosieve_fast.data.stream import ShardSource
+from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.writing.shards import make_shards
 from infosieve_fast.metrics import evaluate_split
 from infosieve_fast.predict import model_from_run
 from infosieve_fast.run_folder import train

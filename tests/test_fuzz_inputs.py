@@ -19,13 +19,14 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from infosieve_fast.config import Config, ConfigError, load_config
-from infosieve_fast.data.encode import encode_job, resized_size
-from infosieve_fast.data.layout_common import LayoutError
-from infosieve_fast.data.layouts import read_dataset
+from infosieve_fast.data.reading.stream import ShardSource, decode_image
+from infosieve_fast.data.reading.tar import image_hw
+from infosieve_fast.data.shard_format import resized_size
 from infosieve_fast.data.shard_manifest import ManifestError
-from infosieve_fast.data.shards import make_shards
-from infosieve_fast.data.stream import ShardSource, decode_image
-from infosieve_fast.data.tar import image_hw
+from infosieve_fast.data.writing.encode import encode_job
+from infosieve_fast.data.writing.layout_common import LayoutError
+from infosieve_fast.data.writing.layouts import read_dataset
+from infosieve_fast.data.writing.shards import make_shards
 
 from .fuzz_profiles import no_hang, scaled
 

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.data import remote
-from infosieve_fast.data.intake import shard_paths
-from infosieve_fast.data.remote import cached_path
+from infosieve_fast.data.reading import remote
+from infosieve_fast.data.reading.intake import shard_paths
+from infosieve_fast.data.reading.remote import cached_path
 
 from .fuzz_profiles import no_hang, scaled
 

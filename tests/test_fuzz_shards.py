@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from infosieve_fast.config import IntakeConfig
-from infosieve_fast.data import intake
-from infosieve_fast.data.intake import ForeignKeys, cached_index
-from infosieve_fast.data.stream import ShardSource
-from infosieve_fast.data.tar import PNG_MAGIC, image_members, index_rows, index_shard, tar_samples
+from infosieve_fast.data.reading import intake
+from infosieve_fast.data.reading.intake import ForeignKeys, cached_index
+from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.tar import PNG_MAGIC, image_members, index_rows, index_shard, tar_samples
 
 from .fuzz_profiles import no_hang, scaled
 

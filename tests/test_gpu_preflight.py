@@ -8,7 +8,7 @@ import shutil
 import torch
 
 from benchmarks.tools import gpu_preflight as pf
-from infosieve_fast.data import decode
+from infosieve_fast.data.reading import decode
 from infosieve_kernels import code_head_triton, reference
 
 

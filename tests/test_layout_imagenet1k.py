@@ -19,8 +19,8 @@ from PIL import Image
 
 from infosieve_fast import cli
 from infosieve_fast.config import load_config
-from infosieve_fast.data.layouts import DATASETS, LayoutError, canonical_name, read_dataset
 from infosieve_fast.data.splits import class_split, gcd_split
+from infosieve_fast.data.writing.layouts import DATASETS, LayoutError, canonical_name, read_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 WNIDS = sorted(f"n{x:08d}" for x in np.random.RandomState(7).choice(10**8, size=1000, replace=False))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from infosieve_fast.checkpoint import read_log
-from infosieve_fast.data.shards import make_shards
+from infosieve_fast.data.writing.shards import make_shards
 from tests.test_kmeans_distributed import _free_port
 
 TIMEOUT_S = 300

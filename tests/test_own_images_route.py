@@ -14,9 +14,9 @@ import torch
 
 from infosieve_fast import cli
 from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.data.layout_discovery import read_discovery
-from infosieve_fast.data.shards import make_shards
+from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.writing.layout_discovery import read_discovery
+from infosieve_fast.data.writing.shards import make_shards
 from infosieve_fast.metrics import NO_LABEL
 from infosieve_fast.predict import model_from_run
 from infosieve_fast.run_folder import train
@@ -108,7 +108,7 @@ def test_predict_gives_the_runs_own_cluster_to_every_image_it_clustered(pool_run
     model, state = model_from_run(base / "run", torch.device("cpu"))
     from PIL import Image
 
-    from infosieve_fast.data.encode import resize_image
+    from infosieve_fast.data.writing.encode import resize_image
 
     aug = DeviceAugment(AugmentConfig(cfg.data.crop_size, False, tuple(cfg.data.mean), tuple(cfg.data.std)))
     pics = [np.asarray(resize_image(Image.open(p).convert("RGB"), 36)) for p in sorted(extra.iterdir())]

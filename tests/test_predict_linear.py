@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from infosieve_fast import predict
-from infosieve_fast.data import tar
-from infosieve_fast.data.shards import make_shards
+from infosieve_fast.data.reading import tar
+from infosieve_fast.data.writing.shards import make_shards
 
 wds = pytest.importorskip("webdataset")
 

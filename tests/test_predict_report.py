@@ -12,7 +12,7 @@ from infosieve_fast import cli
 from infosieve_fast.checkpoint import load_checkpoint
 from infosieve_fast.config import load_config
 from infosieve_fast.data import digits
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.predict import model_from_run
 from infosieve_fast.report import node_label
 from infosieve_fast.run_folder import train

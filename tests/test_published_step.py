@@ -38,8 +38,8 @@ import torch
 
 from benchmarks.published import train as pt
 from infosieve_fast.config import LossConfig, ModelConfig
-from infosieve_fast.data.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.data.sampler import reference_labelled_share
+from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.data.reading.sampler import reference_labelled_share
 from infosieve_fast.loss import InfoSieveLoss
 from infosieve_fast.model import InfoSieve
 

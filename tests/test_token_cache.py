@@ -8,7 +8,7 @@ from torch import nn
 
 from infosieve_fast.code_metrics import code_features
 from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.data.shards import make_shards
+from infosieve_fast.data.writing.shards import make_shards
 from infosieve_fast.engine import Trainer
 
 TINY_VIT = [
@@ -128,10 +128,10 @@ def test_the_test_split_replays_its_tokens_too(realdata, tmp_path, monkeypatch):
     shards = cifar_shards(realdata, tmp_path)
     cached, plain = trainer(*shards), trainer(*shards, "train.token_cache=off")
     centers = torch.nn.functional.normalize(torch.randn(3, cached.model.backbone.feat_dim), dim=1)
-    first = cached.evaluate_test(centers)
+    first = cached.evaluator().evaluate_test(centers)
     assert cached.token_cache.placement == {"test": "cpu"}
     monkeypatch.setattr(cached.source, "test_batches", no_images)
-    assert cached.evaluate_test(centers) == first == plain.evaluate_test(centers)
+    assert cached.evaluator().evaluate_test(centers) == first == plain.evaluator().evaluate_test(centers)
 
 
 @pytest.mark.parametrize("frozen_bf16", ["false", "true"])

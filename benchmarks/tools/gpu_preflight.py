@@ -43,7 +43,7 @@ if not torch.cuda.is_available():  # Triton reads it once, when first imported (
 
 from benchmarks.harness import Stopwatch, sync  # noqa: E402
 from benchmarks.tools.provenance import device_name, emit_json, versions  # noqa: E402
-from infosieve_fast.data import decode  # noqa: E402
+from infosieve_fast.data.reading import decode  # noqa: E402
 
 NVJPEG_MEAN_TOLERANCE = 2.0  # levels of 255, as tests/test_data_stream_exact.py's GPU test
 TRITON_RTOL, TRITON_ATOL = 1e-4, 1e-5  # fp32 on CUDA, as tests/test_kernels_code_head.py

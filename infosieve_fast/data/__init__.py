@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from ..config import DataConfig, TrainConfig
-from .base import Batch, GCDSource
-from .memory import InMemoryGCD, digits
+from .reading.base import Batch, GCDSource
+from .reading.memory import InMemoryGCD, digits
 
 __all__ = ["Batch", "GCDSource", "InMemoryGCD", "build_source", "digits", "held_out_labelled"]
 
@@ -28,7 +28,7 @@ def build_source(data: DataConfig, train: TrainConfig, device: torch.device | No
         )
     if train.train_subset is not None:
         raise ValueError("train.train_subset applies to in-memory sources only; make smaller shards instead")
-    from .stream import ShardSource
+    from .reading.stream import ShardSource
 
     return ShardSource(
         data.shards,

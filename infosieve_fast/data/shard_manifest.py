@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..checkpoint import atomic_write, file_sha256
-from .encode import PNG_COMPRESS_LEVEL
-from .layout_common import RawDataset
-from .layout_discovery import DISCOVERY
+from .shard_format import DISCOVERY, PNG_COMPRESS_LEVEL
 from .splits import EXPECTED_COUNTS, check_counts
+
+if TYPE_CHECKING:
+    from .writing.layout_common import RawDataset
 
 FORMAT = "infosieve-shards/1"
 MANIFEST = "manifest.json"

@@ -47,16 +47,16 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from .. import distributed as dist
-from ..config import DataConfig, IntakeConfig
-from ..metrics import NO_LABEL
+from ... import distributed as dist
+from ...config import DataConfig, IntakeConfig
+from ...metrics import NO_LABEL
+from ..shard_format import DISCOVERY
+from ..shard_manifest import ManifestError, read_manifest, shard_file_problems
 from .base import Batch
 from .cache import DecodedCache, cache_device
 from .decode import DecodeCounts, cap_aspect, decode_cpu, decode_gpu, pad_into, resize_uint8, served_sizes
 from .intake import is_manifest_folder, make_shards_index_cached, open_foreign
-from .layout_discovery import DISCOVERY
 from .sampler import sample_epoch
-from .shard_manifest import ManifestError, read_manifest, shard_file_problems
 from .tar import ShardIndex, open_mmap
 from .workers import worker_context
 
@@ -275,7 +275,7 @@ class ShardSource:
         return np.sort(self.uq[~self.index.lab & (self.index.cls != NO_LABEL)])
 
     def _open_foreign(self, spec) -> np.ndarray:
-        """Open foreign WebDataset shards (data/intake.py): every readable sample is a train sample."""
+        """Open foreign WebDataset shards (data/reading/intake.py): every readable sample is a train sample."""
         opened = open_foreign(spec, self.intake)
         self.dir = Path(spec) if isinstance(spec, (str, Path)) else Path(opened.urls[0]).parent
         self.manifest = {"dataset": FOREIGN, "counts": {"test": 0}}  # no test split

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint import atomic_write
-from ..config import IntakeConfig
+from ...checkpoint import atomic_write
+from ...config import IntakeConfig
+from ..splits import gcd_split
 from .remote import SHARD_SUFFIXES, fetch_all, is_remote
-from .splits import gcd_split
 from .tar import SampleKeys, ShardIndex, index_rows, make_shards_index, member_bytes
 
 INDEX_VERSION = 1
@@ -75,7 +75,7 @@ def shard_paths(
 ) -> list[str]:
     """The shard files `data.shards` names: a folder (its tars, sorted), a brace pattern, a glob, a file, `pipe:` or
     `http(s)://` shards (brace patterns too; fetched once into `download_cache`, checked against their SHA-256 in
-    `pins`, data/remote.py), or a list of any of these (concatenated in order)."""
+    `pins`, data/reading/remote.py), or a list of any of these (concatenated in order)."""
     if isinstance(spec, (list, tuple)):
         paths = [p for item in spec for p in shard_paths(item, download_cache, pins)]
         if not paths:

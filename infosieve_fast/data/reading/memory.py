@@ -8,10 +8,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..distributed import get_rank, get_world_size
+from ...distributed import get_rank, get_world_size
+from ..splits import gcd_split
 from .base import Batch
 from .sampler import sample_epoch
-from .splits import gcd_split
 
 
 class InMemoryGCD:

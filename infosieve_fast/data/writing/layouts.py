@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..shard_format import DISCOVERY
+from ..splits import class_split, imagenet100_choice
 from .layout_common import (
     LayoutError,
     RawDataset,
@@ -38,8 +40,7 @@ from .layout_common import (
     read_id_file,
     relative_paths,
 )
-from .layout_discovery import DISCOVERY, read_discovery
-from .splits import class_split, imagenet100_choice
+from .layout_discovery import read_discovery
 
 DATASETS = (
     "cifar10",

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..metrics import NO_LABEL
+from ...metrics import NO_LABEL
+from ..shard_format import DISCOVERY
 from .layout_common import IMG_EXTENSIONS, LayoutError, RawDataset, class_dirs, need, relative_paths
 
-DISCOVERY = "discovery"  # the dataset name; make-shards' --holdout applies to it alone
 DISCOVERY_LAYOUT = (
     "labelled/<class>/<image> (the known classes, one folder each) and unlabelled/<image> (the pool to sort, any "
     "sub-folders)"

@@ -9,16 +9,9 @@ import zlib
 
 import numpy as np
 
+from ..shard_format import IMAGE_FORMATS, PNG_COMPRESS_LEVEL, resized_size
+
 JPEG_QUALITY = 95
-IMAGE_FORMATS = ("jpg", "png")  # the stored image's encoding = the sample's image key in the tar
-PNG_COMPRESS_LEVEL = 1  # zlib level: much faster to write than the default 6, for a few more bytes
-
-
-def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
-    """torchvision's `Resize(size)` output (w, h): shorter side `size`, longer side `int(size * long / short)`."""
-    if width <= height:
-        return size, int(size * height / width)
-    return int(size * width / height), size
 
 
 def load_rgb(source) -> Image.Image:  # noqa: F821

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint import atomic_write
+from ...checkpoint import atomic_write
+from ..shard_format import DISCOVERY
+from ..shard_manifest import ORDER_SEED, PROP, SPLIT_SEED, ShardsError, file_sha256
+from ..splits import discovery_counts, discovery_split, gcd_split, split_counts
 from .encode import encode_job
 from .layout_common import RawDataset
-from .layout_discovery import DISCOVERY
-from .shard_manifest import ORDER_SEED, PROP, SPLIT_SEED, ShardsError, file_sha256
-from .splits import discovery_counts, discovery_split, gcd_split, split_counts
 
 NO_SIZE_LIMIT = 1 << 62  # a rewritten shard holds exactly its recorded samples, whatever their size
 

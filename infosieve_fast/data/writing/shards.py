@@ -35,10 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .encode import IMAGE_FORMATS, JPEG_QUALITY, load_rgb, resize_image, resized_size
-from .layout_discovery import DISCOVERY
-from .layouts import DATASETS, LayoutError, RawDataset, canonical_name, read_dataset
-from .shard_manifest import (
+from ..shard_format import DISCOVERY, IMAGE_FORMATS, resized_size
+from ..shard_manifest import (
     FORMAT,
     MANIFEST,
     STATE,
@@ -52,8 +50,10 @@ from .shard_manifest import (
     verified,
     written_counts,
 )
+from ..splits import check_counts
+from .encode import JPEG_QUALITY, load_rgb, resize_image
+from .layouts import DATASETS, LayoutError, RawDataset, canonical_name, read_dataset
 from .shard_writer import Plan, ShardWriter, encoding_pool, plans
-from .splits import check_counts
 
 __all__ = [  # with the names other modules import from here
     "DISCOVERY",

@@ -23,8 +23,8 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
-from .. import distributed as dist
-from ..checkpoint import atomic_write, file_sha256
+from ... import distributed as dist
+from ...checkpoint import atomic_write, file_sha256
 
 REMOTE_PREFIXES = ("pipe:", "http://", "https://")
 CHUNK = 1 << 20

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .encode import resized_size
+from ..shard_format import resized_size
 from .tar import PNG_MAGIC
 
 with warnings.catch_warnings():

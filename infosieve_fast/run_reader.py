@@ -1,0 +1,123 @@
+"""A run folder read back: the names of its files, its last or best checkpoint, a Trainer holding it, its category
+tree and the centres new images are assigned to. `eval`, `tree`, `predict`, `report`, `compare`, the sweep and the
+best checkpoint read runs through here; `run_folder.py` writes them (its docstring lists the files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import from_saved
+from .tree import build_tree, code_strings
+
+if TYPE_CHECKING:  # the file readers (`compare`, the best checkpoint's) stay without the training stack
+    from .engine import Trainer
+
+CONFIG, LOG, METRICS, RESUMES = "config.yaml", "log.jsonl", "metrics.json", "resumes.jsonl"
+UNREADABLE, CLUSTERING, TENSORBOARD = "unreadable.json", "clustering.npz", "tensorboard"
+BEST_CHECKPOINT, BEST = "checkpoint-best.pt", "best.json"
+CHECKPOINTS = ("last", "best")
+
+
+def read_best(run_dir: str | Path) -> dict | None:
+    """RUN/best.json, None when the run keeps no best checkpoint (yet)."""
+    path = Path(run_dir) / BEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def describe(state: dict, which: str) -> str:
+    """What `eval`, `report` and `compare` say they read: "last, epoch E" or "best (criterion, epoch E)"."""
+    if which == "last":
+        return f"last, epoch {state['epoch']}"
+    return f"best ({state['best']['criterion']}, epoch {state['best']['epoch']})"
+
+
+def load_run_checkpoint(run_dir: str | Path, which: str = "last", map_location="cpu") -> tuple[dict, str]:
+    """(state, `describe`'s words) of the run's last or best checkpoint."""
+    if which not in CHECKPOINTS:
+        raise ValueError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}, got {which!r}")
+    if which == "best" and not (Path(run_dir) / BEST_CHECKPOINT).is_file():
+        raise FileNotFoundError(
+            f"no {BEST_CHECKPOINT} in {run_dir}: the run keeps only its last checkpoint (checkpoint.best: none). Read "
+            "it with --checkpoint last, or train with --set checkpoint.best=labelled_holdout (or kmeans_objective)"
+        )
+    name = ckpt.CHECKPOINT if which == "last" else BEST_CHECKPOINT
+    state = ckpt.load_checkpoint(run_dir, map_location=map_location, name=name)
+    return state, describe(state, which)
+
+
+def describe_run(run_dir: str | Path, which: str = "last") -> str:
+    """`describe` of a run folder's checkpoint, read memory-mapped (cheap: no tensor is loaded)."""
+    if which not in CHECKPOINTS:
+        raise ValueError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}, got {which!r}")
+    path = Path(run_dir) / (ckpt.CHECKPOINT if which == "last" else BEST_CHECKPOINT)
+    if not path.is_file():
+        return f"{which}: no {path.name} in {run_dir}"
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return describe(state, which)
+
+
+def trainer_from_run(run_dir: str | Path, checkpoint: str = "last") -> Trainer:
+    """A trainer holding a run folder's last (or best) checkpoint (its config and weights), for commands that read a
+    run."""
+    return read_run(run_dir, checkpoint)[0]
+
+
+def read_run(run_dir: str | Path, checkpoint: str = "last") -> tuple[Trainer, str]:
+    """`trainer_from_run`, and what it read: "last, epoch E" or "best (criterion, epoch E)"."""
+    from .engine import Trainer
+
+    state, read = load_run_checkpoint(run_dir, checkpoint)
+    trainer = Trainer(from_saved(state["config"]), pretrained=False)
+    trainer.load_model_state(state)
+    return trainer, read
+
+
+def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last") -> dict:
+    """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`, under "checkpoint" what was
+    read and, for the last checkpoint of a run with an unlabelled pool, under "novel_clusters" each novel cluster's
+    place in the tree (cluster_places.py)."""
+    from .cluster_places import run_places
+    from .code_metrics import code_features
+
+    trainer, read = read_run(run_dir, checkpoint)
+    fs = code_features(trainer.evaluator())
+    tree = trainer_tree(trainer, max_depth, fs) | {"checkpoint": read}
+    if checkpoint == "last" and trainer.centers is not None:  # RUN/clustering.npz is the last checkpoint's
+        length, uq = trainer.cfg.model.code_length, fs.uq.tolist()
+        codes = dict(zip(uq, code_strings(fs.feats[:, :length], fs.feats[:, length:]), strict=True))
+        targets = dict(zip(uq, fs.targets.tolist(), strict=True))
+        names = list(trainer.source.class_names)
+        places = run_places(run_dir, codes, targets, names, len(trainer.centers), max_depth)
+        if places:
+            tree["novel_clusters"] = places
+    return tree
+
+
+def assignment_centers(trainer: Trainer, run_dir: str | Path, checkpoint: str) -> torch.Tensor:
+    """The train clustering's centres that test or new images are assigned to: the last checkpoint holds the final
+    evaluation's; the best one holds its epoch's pseudo-label round (features of the weights before that epoch), so
+    its evaluation's SS-k-means runs again."""
+    if checkpoint == "best":
+        return trainer.evaluate_full().clustering.centers
+    if trainer.centers is None:
+        raise ValueError(f"{run_dir}'s checkpoint holds no k-means centres (it predates them): train it again")
+    return trainer.centers
+
+
+def trainer_tree(trainer: Trainer, max_depth: int = 8, fs=None) -> dict:
+    """The implicit category tree of a trainer's weights: codes of the train samples (test view), cut by the mask.
+    The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples).
+    `fs`: `code_metrics.code_features(trainer.evaluator())`, if already computed."""
+    from .code_metrics import code_features, evaluate_codes
+
+    fs = fs if fs is not None else code_features(trainer.evaluator())
+    length = trainer.cfg.model.code_length
+    tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
+    tree["measures"] = evaluate_codes(trainer.evaluator(), fs)
+    tree["class_names"] = list(trainer.source.class_names)  # target order: what the report labels nodes with
+    return tree
