@@ -16,6 +16,10 @@ plan differs from SWEEP/sweep.json (another config, grid, seeds or --set) is ref
 one after another in this process, on the config's `train.device`; with --devices one run per device at a time, each
 in its own process (`CUDA_VISIBLE_DEVICES` names its GPU, or hides them all for `cpu`), with an equal share of the
 CPU cores as its thread count (`OMP_NUM_THREADS`, unless it is set already).
+
+SIGTERM or SIGUSR1 (a scheduler's preemption) stops the sweep as it stops `infosieve train`: the run in flight (every
+run in flight, with --devices: the signal is passed on to them) writes its checkpoint, and the sweep exits with the
+preempted status (`preemption.PREEMPTED_EXIT`) and the command that continues it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 from . import run_folder, run_reader
 from .checkpoint import write_json
 from .config import Config, apply_overrides, config_drift, from_dict, from_saved, load_config
+from .preemption import PREEMPTED_EXIT, Preempted, StopSignals
 from .run_results import PARTS, TREE, format_spread, markdown_table, read_run, summarise_runs
 
 PLAN, SUMMARY_JSON, SUMMARY_MD, RUNS, LOGS = "sweep.json", "summary.json", "summary.md", "runs", "logs"
@@ -201,34 +206,45 @@ def run_in_order(sweep_dir: Path, plan: dict, pending: list[dict]) -> None:
 
 def run_on_devices(sweep_dir: Path, pending: list[dict], devices: list[str]) -> None:
     """One worker process per device at a time, each running one planned run (`python -m infosieve_fast.sweep`),
-    its output in SWEEP/logs/<name>.log. A failed run lets the others in flight finish, then stops the sweep."""
-    queue, free, running, failed = list(pending), list(devices), {}, []
-    threads = threads_per_process(len(devices))
-    try:
-        while running or (queue and not failed):
-            while free and queue and not failed:
-                device, run = free.pop(0), queue.pop(0)
-                running[start_worker(sweep_dir, run, device, threads)] = (run, device)
-                print(f"sweep: {run['name']} started on {device} (log: {log_path(sweep_dir, run)})")
-            proc = next((p for p in running if p.poll() is not None), None)
-            if proc is None:
-                time.sleep(0.5)
-                continue
-            run, device = running.pop(proc)
-            free.append(device)
-            if proc.returncode:
-                failed.append(f"{run['name']} (exit status {proc.returncode}; see {log_path(sweep_dir, run)})")
-            else:
-                print(f"sweep: {run['name']} finished")
-                write_summary(sweep_dir)
-    except KeyboardInterrupt:
-        for proc in running:
-            proc.send_signal(signal.SIGINT)  # each run stops with its last checkpoint kept
-        for proc in running:
-            proc.wait()
-        raise
+    its output in SWEEP/logs/<name>.log. A failed run lets the others in flight finish, then stops the sweep. A stop
+    signal is passed on to the runs in flight; once they have checkpointed, `Preempted` ends the sweep."""
+    queue, free, running, failed, preempted = list(pending), list(devices), {}, [], []
+    threads, passed_on = threads_per_process(len(devices)), False
+    with StopSignals() as stop:
+        try:
+            while running or (queue and not (failed or preempted or stop.received)):
+                if stop.received and not passed_on:
+                    passed_on = True
+                    for proc in running:
+                        proc.send_signal(signal.Signals[stop.received])  # each run checkpoints, exits preempted
+                while free and queue and not (failed or preempted or stop.received):
+                    device, run = free.pop(0), queue.pop(0)
+                    running[start_worker(sweep_dir, run, device, threads)] = (run, device)
+                    print(f"sweep: {run['name']} started on {device} (log: {log_path(sweep_dir, run)})")
+                proc = next((p for p in running if p.poll() is not None), None)
+                if proc is None:
+                    time.sleep(0.5)
+                    continue
+                run, device = running.pop(proc)
+                free.append(device)
+                if proc.returncode == PREEMPTED_EXIT:
+                    preempted.append(run["name"])
+                elif proc.returncode:
+                    failed.append(f"{run['name']} (exit status {proc.returncode}; see {log_path(sweep_dir, run)})")
+                else:
+                    print(f"sweep: {run['name']} finished")
+                    write_summary(sweep_dir)
+        except KeyboardInterrupt:
+            for proc in running:
+                proc.send_signal(signal.SIGINT)  # each run stops with its last checkpoint kept
+            for proc in running:
+                proc.wait()
+            raise
     if failed:
         raise SweepError(f"sweep runs failed: {'; '.join(failed)}. Fix the cause, then rerun the same command")
+    if preempted or stop.received:
+        stopped = f"{', '.join(preempted)} stopped at a checkpoint" if preempted else "stopped between runs"
+        raise Preempted(f"{stop.received or 'a stop signal to a run'}: {stopped}")
 
 
 def log_path(sweep_dir: Path, run: dict) -> Path:
@@ -403,6 +419,9 @@ def run_cli(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         raise SystemExit(130) from None
+    except Preempted as stopped:  # SIGTERM or SIGUSR1: the run in flight has its checkpoint
+        print(f"preempted: {stopped}\ncontinue the sweep with `{sweep_command(plan, Path(args.out))}`", file=sys.stderr)
+        raise SystemExit(PREEMPTED_EXIT) from None
     return 0
 
 
@@ -415,6 +434,9 @@ def worker_main(argv: list[str]) -> int:
         run_one(sweep_dir, plan, run)
     except KeyboardInterrupt:
         return 130
+    except Preempted as stopped:
+        print(f"preempted: {stopped}", file=sys.stderr)
+        return PREEMPTED_EXIT
     return 0
 
 

@@ -4,6 +4,8 @@ processes, and a summary whose means and spreads equal those computed here from 
 
 import json
 import mmap
+import os
+import signal
 import statistics
 import subprocess
 from pathlib import Path
@@ -16,6 +18,7 @@ from infosieve_fast import cli, run_folder, sweep
 from infosieve_fast.checkpoint import load_checkpoint, read_log
 from infosieve_fast.config import ConfigError, load_config
 from infosieve_fast.metrics import evaluate_split
+from infosieve_fast.preemption import PREEMPTED_EXIT, Preempted
 
 SMALL = ["schedule.epochs=2", "train.train_subset=96", "data.batch_size=32", "train.max_steps_per_epoch=2",
          "kmeans.n_init=1", "model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64",
@@ -195,6 +198,35 @@ def test_a_killed_sweep_continues_to_the_uninterrupted_summary(whole, tmp_path, 
     assert "4 runs, 4 finished, 0 to go" in capsys.readouterr().out
 
 
+def test_a_preempted_sweep_exits_preempted_and_goes_on_to_the_same_runs(whole, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "preempted"
+    argv = sweep_argv(out, seeds="1", grid="loss.label_smoothing=0.1,0.5")
+    original, calls = run_folder.train, []
+
+    def sigterm_in_its_second_run(cfg, folder, **kwargs):
+        calls.append(folder.name)
+        if len(calls) == 2:  # the scheduler's signal after the first epoch's checkpoint
+            kwargs["stop_after"] = lambda epoch: os.kill(os.getpid(), signal.SIGTERM) and False
+        return original(cfg, folder, **kwargs)
+
+    monkeypatch.setattr(run_folder, "train", sigterm_in_its_second_run)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == PREEMPTED_EXIT
+    err = capsys.readouterr().err
+    assert "preempted: SIGTERM: stopped at the start of epoch 2/2" in err
+    assert f"continue the sweep with `infosieve sweep --config {Path('configs/demo.yaml').resolve()}" in err
+    second = out / "runs" / calls[1]
+    assert read_log(second / "log.jsonl")[-1]["preempted"]["signal"] == "SIGTERM"
+    assert load_checkpoint(second)["epoch"] == 1 and not (second / "metrics.json").exists()
+
+    monkeypatch.setattr(run_folder, "train", original)
+    assert cli.main(argv) == 0
+    for name in calls:  # the preempted run continued to the numbers of the sweep that was never stopped
+        want = (whole / "runs" / name / "metrics.json").read_bytes()
+        assert (out / "runs" / name / "metrics.json").read_bytes() == want
+
+
 def test_a_command_that_differs_from_the_recorded_sweep_is_refused(whole, tmp_path, capsys):
     before = (whole / "sweep.json").read_text()
     refused = [
@@ -289,6 +321,48 @@ def test_a_failed_worker_stops_the_sweep_once_the_runs_in_flight_end(tmp_path, m
     assert summaries == [tmp_path]  # seed2 ran to its end and was summarised
     assert str(err.value) == (f"sweep runs failed: seed1 (exit status 3; see {tmp_path / 'logs' / 'seed1.log'}). "
                               "Fix the cause, then rerun the same command")  # fmt: skip
+
+
+class StandInWorker:
+    """A worker process that ends with `code` after `polls` polls, or with the preempted status once signalled."""
+
+    def __init__(self, code, polls):
+        self.code, self.polls, self.returncode, self.signals = code, polls, None, []
+
+    def poll(self):
+        self.polls -= 1
+        if self.polls <= 0 or self.signals:
+            self.returncode = PREEMPTED_EXIT if self.signals else self.code
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+
+@pytest.mark.parametrize("where", ["worker", "sweep"])
+def test_a_stop_signal_ends_the_device_sweep_once_its_runs_have_checkpointed(where, tmp_path, monkeypatch):
+    """A worker that exits preempted (the signal reached it alone) or a signal to the sweep (passed on to every run in
+    flight): no further run starts, the others end, and `Preempted` names the runs stopped at a checkpoint."""
+    first = StandInWorker(PREEMPTED_EXIT if where == "worker" else 0, 1 if where == "worker" else 50)
+    workers, started, handler = iter([first, StandInWorker(0, 1)]), [], signal.getsignal(signal.SIGUSR1)
+
+    def start(sweep_dir, run, device, threads):
+        started.append(run["name"])
+        if len(started) == 2 and where == "sweep":
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return next(workers)
+
+    monkeypatch.setattr(sweep, "start_worker", start)
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    summaries = []
+    monkeypatch.setattr(sweep, "write_summary", summaries.append)
+    with pytest.raises(Preempted) as err:
+        sweep.run_on_devices(tmp_path, [{"name": f"seed{s}"} for s in (1, 2, 3)], ["cpu", "cpu"])
+    assert started == ["seed1", "seed2"] and summaries == [tmp_path]  # seed3 never starts; seed2 ran to its end
+    cause = "a stop signal to a run" if where == "worker" else "SIGUSR1"
+    assert str(err.value) == f"{cause}: seed1 stopped at a checkpoint"
+    assert first.signals == ([] if where == "worker" else [signal.SIGUSR1])
+    assert signal.getsignal(signal.SIGUSR1) == handler  # the sweep's handler is gone again
 
 
 def test_devices_and_the_config_device_must_agree():
