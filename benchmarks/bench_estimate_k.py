@@ -4,7 +4,8 @@ species, then on resamples of it that each drop a share of the images (`--drop`,
 The data is an `.npz` of features (`F`, `y`), cut to the classes `--classes LO-HI` (renumbered from 0; the first
 `--known` known, half of their images labelled with GCD's split, seed 0). The default is cub100's held-out species
 20-39 of the project's real test data (`features/cub100_efflite0_224_feats.npz`; species 40-59 are kept for final
-checks: never pass them here); docs/kmeans.md has the command and the result.
+checks: never pass them here); docs/kmeans.md has the command and the result. estimate-k's subsamples and smoothing
+were tuned on species 0-19, 60-79 and 80-99 (`--classes`), never on 20-39.
 
 Prints JSON: per sample (the whole set, then each resample) K, the range, the argmax, the K scored and the seconds;
 then the spread of K over the resamples (largest minus smallest, and the largest distance from the whole set's K).

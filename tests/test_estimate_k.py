@@ -1,18 +1,25 @@
-"""estimate-k: GCD's search recovers K on separated blobs and on real CUB-100 features; the CLI and its errors."""
+"""estimate-k: the search recovers K on separated blobs and on real CUB-100 features; its choice rule and smoothing
+on hand-built score curves; the CLI and its errors."""
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from infosieve_fast import cli
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.estimate_k import estimate_k, load_features, scan_peak
+from infosieve_fast.estimate_k import BANDWIDTH, SUBSAMPLE, choose_k, estimate_k, load_features, pooled_error, smoothed
+
+SAID = r"K=(\d+): labelled accuracy (0\.\d{4}|1\.0000) ± (0\.\d{4})"
 
 
-def _blobs(k: int, per: int, dim: int = 16, seed: int = 0):
+def _blobs(k: int, per: int, dim: int = 32, seed: int = 0):
+    """k Gaussian blobs of unit spread whose centres lie ~11 spreads apart: one k-means run at the true K scores
+    about 0.98 on them, so the score has one clear peak (at 16 dimensions and 4 spreads apart, k-means' local minima
+    flatten it from K = 9 to 16)."""
     rng = np.random.default_rng(seed)
-    centres = rng.normal(size=(k, dim)) * 4
+    centres = rng.normal(size=(k, dim)) * 8
     y = np.repeat(np.arange(k), per)
     return centres[y] + rng.normal(size=(len(y), dim)), y
 
@@ -21,17 +28,24 @@ def test_separated_blobs_give_their_number():
     x, y = _blobs(12, 30)
     labelled, _ = gcd_split(y, list(range(6)), 0.5, 0)
     said = []
-    res = estimate_k(x, y, labelled, 6, k_max=30, progress=said.append)  # 4 seeds: with 2, K = 11 scores 1.0 twice
+    res = estimate_k(x, y, labelled, 6, k_max=30, progress=said.append)
     assert res["k"] == 12
     curve = {int(k): v for k, v in res["criteria"]["labelled_accuracy"].items()}
-    assert curve[12] > 0.95 and all(v <= curve[12] for v in curve.values())
-    # the range: the K scored within one standard error of the best; the answer its smallest; 11 scored, below it
     errors = {int(k): v for k, v in res["criteria"]["labelled_accuracy_standard_error"].items()}
-    floor = curve[res["k_by_argmax"]] - errors[res["k_by_argmax"]]
-    within = sorted(k for k, v in curve.items() if v >= floor)
-    assert res["k_range"] == [within[0], within[-1]] and within[0] == 12 and curve[11] < floor
-    assert {6, 30} <= set(curve) and "12" in res["criteria"]["unlabelled_silhouette"]  # the grid spans the range
-    assert sorted(said) == sorted(f"K={k}: labelled accuracy {curve[k]:.4f} ± {errors[k]:.4f}" for k in curve)
+    smooth = {int(k): v for k, v in res["criteria"]["labelled_accuracy_smoothed"].items()}
+    # the range: the K whose smoothed score lies within two pooled standard errors (the root mean square of the K's
+    # standard errors) of the best; every K in it was scored, and the answer is its lower quartile
+    noise = float(np.sqrt(np.mean(np.square(list(errors.values())))))
+    assert res["pooled_standard_error"] == pytest.approx(noise, abs=1e-6)
+    within = sorted(k for k, v in smooth.items() if v >= max(smooth.values()) - 2 * noise)
+    assert res["k_range"] == [within[0], within[-1]] and within == list(range(within[0], within[-1] + 1))
+    assert within[0] < 12 < within[-1] and within[(len(within) - 1) // 4] == 12
+    assert curve[12] > 0.95 and max(curve.values()) == curve[12]  # the peak the answer found is the score's own
+    assert set(smooth) == set(curve) and {6, 30} <= set(curve) and "12" in res["criteria"]["unlabelled_silhouette"]
+    told = {int(k): (float(v), float(e)) for k, v, e in (re.fullmatch(SAID, line).groups() for line in said)}
+    assert len(said) == len(told) and set(told) == set(curve)  # each K said once, at 4 decimals
+    assert all(abs(told[k][0] - curve[k]) <= 5.1e-5 and abs(told[k][1] - errors[k]) <= 5.1e-5 for k in curve)
+    assert res["search"]["subsample"] == SUBSAMPLE and res["search"]["smoothing_width"] == pytest.approx(6 * BANDWIDTH)
 
 
 def test_real_cub100_features_within_15_percent(realdata, tmp_path, capsys):
@@ -61,25 +75,53 @@ def test_bad_inputs_are_named(tmp_path, capsys):
     assert "exactly one of --run" in capsys.readouterr().err
 
 
-def test_the_scan_scores_every_k_beside_the_peak_until_two_fall_short():
-    """A score table by hand: peak 0.90 at K = 12 (standard error 0.02, so the floor is 0.88). The grid had scored
-    only 5, 12 and 20; the scan scores 11 down to 8 (9 and 8 are the two below the floor) and 13 up to 15."""
-    table = {5: 0.885, 8: 0.85, 9: 0.87, 10: 0.881, 11: 0.89, 12: 0.90, 13: 0.885, 14: 0.87, 15: 0.86, 20: 0.80}
-    scores = {k: table[k] for k in (5, 12, 20)}
-    errors = dict.fromkeys(table, 0.02)
+def test_the_search_scores_every_k_around_the_plausible_range_and_answers_its_lower_quartile():
+    """A score table by hand, no smoothing (width 0), standard error 0.01 at every K: K scoring within two errors of
+    the best (0.90 at K = 12), 0.88 or more, is plausible. The grid scored 4, 12 and 20. Round 1: only 12 is
+    plausible, so 10-14 are scored; round 2: 10, 11, 12 and 13 are, so 8-15; round 3: 8 (0.885) joins, so 6 and 7;
+    7 scores 0.86: done. Plausible: 8, 10, 11, 12, 13 (9 scores 0.87); the answer is the lower quartile, index
+    (5 - 1) // 4 = 1: K = 10."""
+    table = {4: 0.70, 6: 0.80, 7: 0.86, 8: 0.885, 9: 0.87, 10: 0.881, 11: 0.89, 12: 0.90, 13: 0.885, 14: 0.87}
+    table |= {15: 0.86, 16: 0.85, 20: 0.80}
+    scores = {k: table[k] for k in (4, 12, 20)}
+    errors = dict.fromkeys(scores, 0.01)
     asked = []
 
     def score(k):
         asked.append(k)
-        scores[k] = table[k]
+        scores[k], errors[k] = table[k], 0.01
 
-    assert scan_peak(scores, errors, score, 4, 30) == 12
-    assert sorted(asked) == [8, 9, 10, 11, 13, 14, 15]
+    found = choose_k(scores, errors, score, 4, 20, 0.0)
+    assert sorted(asked) == [6, 7, 8, 9, 10, 11, 13, 14, 15]
+    assert (found["k"], found["k_range"], found["k_by_argmax"]) == (10, [8, 13], 12)
+    assert found["noise"] == pytest.approx(0.01) and found["curve"] == scores
 
 
-def test_a_better_k_found_by_the_scan_moves_the_peak():
-    """The scan from the grid's best (K = 6) meets K = 8, better still: it then scans around 8."""
-    table = {4: 0.5, 5: 0.6, 6: 0.8, 7: 0.85, 8: 0.9, 9: 0.82, 10: 0.81, 11: 0.5}
-    scores, errors = {6: 0.8, 11: 0.5}, dict.fromkeys(table, 0.01)
-    assert scan_peak(scores, errors, lambda k: scores.__setitem__(k, table[k]), 4, 11) == 8
-    assert set(scores) == set(table)
+def test_smoothing_keeps_a_line_and_shrinks_a_lone_spike():
+    """Local-linear smoothing reproduces a straight line exactly, even on unevenly spaced K. A spike of 0.4 at K = 10 on
+    a flat 0.5 over K = 5..15 (width 1, a design symmetric about 10): the fitted line is flat there, so the value is
+    the Gaussian-weighted mean, 0.5 + 0.4 / (1 + 2 (e^-1/2 + e^-2 + e^-9/2 + e^-8 + e^-25/2)) = 0.65958."""
+    line = {k: 0.2 + 0.01 * k for k in (3, 4, 7, 8, 9, 15, 22)}
+    assert smoothed(line, 2.5) == pytest.approx(line, abs=1e-12)
+    spike = dict.fromkeys(range(5, 16), 0.5) | {10: 0.9}
+    assert smoothed(spike, 1.0)[10] == pytest.approx(0.659577, abs=1e-6)
+    assert smoothed(spike, 0.0) == spike
+    assert pooled_error({1: 0.03, 2: 0.04}) == pytest.approx(np.sqrt((0.03**2 + 0.04**2) / 2))
+
+
+def _never(k):
+    pytest.fail(f"K={k} was scored again: every K of the range was scored already")
+
+
+def test_a_lone_high_k_does_not_decide_once_smoothed():
+    """A tent peaking at K = 25 (0.9, falling 0.01 per K) over 10..40, with a noisy 0.95 at K = 12; standard error
+    0.005, so the band is 0.01. Unsmoothed, the spike alone is plausible and chosen; smoothed (width 3), the spike's
+    0.95 is averaged with its neighbours' 0.77s and falls out of reach, and the tent, symmetric about 25, gives a
+    plausible range symmetric about 25, all of it scored, answered by its lower quartile."""
+    tent = {k: 0.9 - 0.01 * abs(k - 25) for k in range(10, 41)} | {12: 0.95}
+    raw = choose_k(dict(tent), dict.fromkeys(tent, 0.005), _never, 10, 40, 0.0)
+    assert (raw["k"], raw["k_range"]) == (12, [12, 12])
+    found = choose_k(dict(tent), dict.fromkeys(tent, 0.005), _never, 10, 40, 3.0)
+    low, high = found["k_range"]
+    assert 25 - low == high - 25 > 0 and found["k"] == low + (high - low) // 4 and found["k_by_argmax"] == 25
+    assert found["curve"][12] < found["curve"][25] - 0.01
