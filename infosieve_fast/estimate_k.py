@@ -15,7 +15,8 @@ one height, of which Brent's search climbs whichever its first steps find. So:
 - the scores are smoothed across K (local-linear regression with a Gaussian kernel `BANDWIDTH` x n_old wide: 3 K for
   10 known classes); the noise of one K's score is the seeds' standard error pooled over the K scored;
 - in place of Brent's search, K is scored on an even grid of `GRID_POINTS` values over [n_old, k_max], then every K
-  from two below to two above the plausible range, again while that range grows;
+  from two below to two above the plausible range, again while that range grows (every third of the smoothing's
+  width where that is over 3 K: every 5th K for 50 known classes);
 - every K whose smoothed score lies within `BAND` (2) pooled standard errors of the best smoothed score is plausible
   (`k_range`: the smallest and largest), and the answer is the lower quartile of the plausible K (the one a quarter
   of the way up their sorted list).
@@ -228,14 +229,17 @@ def choose_k(
     k_max: int,
     width: float,
 ) -> dict:
-    """The answer from the K scored so far: scores every K from two below the smallest plausible K to two above the
-    largest (`score(k)` fills `scores` and `errors`), again while the plausible range grows, then answers with the
-    lower quartile of the plausible K (index (n - 1) // 4 of the n sorted). Returns `k`, `k_range`, `k_by_argmax`
-    (of the smoothed curve), the smoothed `curve` and the pooled standard error `noise`."""
+    """The answer from the K scored so far: scores the K from two steps below the smallest plausible K to two steps
+    above the largest (`score(k)` fills `scores` and `errors`), again while the plausible range grows, then answers
+    with the lower quartile of the plausible K (index (n - 1) // 4 of the n sorted). The step is a third of the
+    smoothing's width, at least 1 (K = k_min, k_min + step, ...): a smooth curve needs no more. Returns `k`,
+    `k_range`, `k_by_argmax` (of the smoothed curve), the smoothed `curve` and the pooled standard error `noise`."""
+    step = max(1, int(width // 3))
     while True:
         curve, noise = smoothed(scores, width), pooled_error(errors)
         plausible = plausible_ks(curve, noise)
-        todo = [k for k in range(max(k_min, plausible[0] - 2), min(k_max, plausible[-1] + 2) + 1) if k not in scores]
+        low, high = plausible[0] - 2 * step, plausible[-1] + 2 * step
+        todo = [k for k in range(k_min, k_max + 1, step) if low <= k <= high and k not in scores]
         if not todo:
             break
         for k in todo:

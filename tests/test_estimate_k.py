@@ -97,6 +97,22 @@ def test_the_search_scores_every_k_around_the_plausible_range_and_answers_its_lo
     assert found["noise"] == pytest.approx(0.01) and found["curve"] == scores
 
 
+def test_a_wide_smoothing_scores_the_range_every_third_of_its_width():
+    """Width 15 (50 known classes): the range is filled every 5th K from k_min = 50, two steps beyond it each side,
+    and nothing between; the answer is one of the K scored."""
+    table = {k: 0.9 - 0.002 * abs(k - 100) for k in range(50, 201)}
+    scores = {k: table[k] for k in range(50, 201, 10)}
+    errors = dict.fromkeys(scores, 0.005)
+
+    def score(k):
+        scores[k], errors[k] = table[k], 0.005
+
+    found = choose_k(scores, errors, score, 50, 200, 15.0)
+    low, high = found["k_range"]
+    assert all(k % 5 == 0 for k in scores) and found["k"] in scores and low < found["k"] < high
+    assert {k for k in range(50, 201, 5) if low - 10 <= k <= high + 10} <= set(scores)
+
+
 def test_smoothing_keeps_a_line_and_shrinks_a_lone_spike():
     """Local-linear smoothing reproduces a straight line exactly, even on unevenly spaced K. A spike of 0.4 at K = 10 on
     a flat 0.5 over K = 5..15 (width 1, a design symmetric about 10): the fitted line is flat there, so the value is
