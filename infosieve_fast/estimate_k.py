@@ -25,11 +25,12 @@ Why. On resamples of the same species the unsmoothed score's best K and the smal
 it moved by up to 15 classes: the score is flat near its peak, and its change between resamples is larger than the
 seeds' standard error. Subsamples, smoothing and the pooled error steady the curve. The rule was then chosen on cub100
 species 0-19, 60-79 and 80-99 (10 resamples each dropping 2% of the images) among the smallest, lower-quartile and
-median plausible K with bands of 0.5 to 2 errors: the smallest is about as steady but falls well below the true K
-(it sits in the smoothing's blur of the steep rise below the peak: 8 to 11 for 12 on the tests' blobs); the median
-follows the slow fall above the peak, whose crossing of the band moves most between resamples; the lower quartile of
-a band of 2 errors was the steadiest and the closest. The measurement on species held out from this choice, with its
-command, is in docs/kmeans.md.
+median plausible K with bands of 0.5 to 2 errors: the smallest is about as steady but falls well below the true K (it
+sits in the smoothing's blur of the steep rise below the peak: 8 or 10 for 12 on the 16-dimensional blobs of the
+tests' earlier version, seeds 0 to 3); the median follows the slow fall above the peak, whose crossing of the band
+moves most between resamples; the lower quartile of a band of 2 errors was the steadiest and the closest. The
+measurement on species held out from this choice, with its command, is in docs/kmeans.md. The rule's `k_range` is
+wide (about 17 to 40 for 20 species): it is the K the score cannot tell apart, not a confidence interval.
 
 A second criterion is reported beside the first: the silhouette of the unlabelled points under the semi-supervised
 k-means with K clusters, for the grid's K and the answer. It is computed on at most 4,000 points with a fixed seed.
