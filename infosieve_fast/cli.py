@@ -189,7 +189,7 @@ def _export(args: argparse.Namespace) -> int:
 def _estimate_k(args: argparse.Namespace) -> int:
     import json
 
-    from .estimate_k import estimate_k, load_features
+    from .estimate_k import describe_choice, estimate_k, load_features
 
     if bool(args.run) == bool(args.features):
         raise UsageError("estimate-k needs exactly one of --run RUN_DIR or --features FILE.npz")
@@ -214,12 +214,7 @@ def _estimate_k(args: argparse.Namespace) -> int:
         n_seeds=args.seeds,
         progress=lambda msg: print(msg, file=sys.stderr),
     )
-    low, high = result["k_range"]
-    print(
-        f"K = {result['k']}: plausible K {low}-{high}, within one standard error of the best score (K = "
-        f"{result['k_by_argmax']}); the smallest is chosen",
-        file=sys.stderr,
-    )
+    print(f"K = {result['k']}: {describe_choice(result)}", file=sys.stderr)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

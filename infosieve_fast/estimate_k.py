@@ -173,6 +173,15 @@ def estimate_k(
     }
 
 
+def describe_choice(result: dict) -> str:
+    """The answer's line for the terminal: the plausible range, the best smoothed score's K and the rule."""
+    low, high = result["k_range"]
+    return (
+        f"plausible K {low}-{high}, within {BAND:g} pooled standard errors of the best smoothed score (K = "
+        f"{result['k_by_argmax']}); the lower quartile is chosen"
+    )
+
+
 def checked_inputs(feats, targets, labelled, n_old: int, k_max: int | None, device) -> tuple:
     """(features L2-normalised on `device`, targets, labelled mask, k_max) once the inputs agree with each other."""
     x = torch.as_tensor(np.asarray(feats), dtype=torch.float32, device=device)

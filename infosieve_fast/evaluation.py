@@ -204,7 +204,7 @@ class Evaluator:
 
     def _estimate_k(self, fs: FeatureSet) -> int:
         """`kmeans.n_clusters=auto`: GCD's estimate of K from `fs` (all ranks' shares), said on the terminal."""
-        from .estimate_k import estimate_k
+        from .estimate_k import describe_choice, estimate_k
 
         feats, targets, labelled = (dist.all_gather_cat(t)[0].cpu() for t in (fs.feats, fs.targets, fs.labelled))
         main = dist.is_main_process()
@@ -213,12 +213,8 @@ class Evaluator:
         if main:
             n = self.source.n_classes
             known = f"{n} classes" if n is not None else f"{self.source.n_old} known classes and a pool"
-            low, high = found["k_range"]
-            print(
-                f"kmeans.n_clusters=auto: estimated K = {found['k']} (the dataset has {known}); "
-                f"plausible K {low}-{high}, within one standard error of the best score (K = "
-                f"{found['k_by_argmax']}); the smallest is chosen"
-            )
+            said = describe_choice(found)
+            print(f"kmeans.n_clusters=auto: estimated K = {found['k']} (the dataset has {known}); {said}")
         return found["k"]
 
     def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Clustering:

@@ -53,9 +53,12 @@ def test_real_cub100_features_within_15_percent(realdata, tmp_path, capsys):
     out = tmp_path / "k.json"
     path = realdata / "features" / "cub100_efflite0_224_feats.npz"
     assert cli.main(["estimate-k", "--features", str(path), "--known-classes", "50", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res == json.loads(capsys.readouterr().out)
+    res, said = json.loads(out.read_text()), capsys.readouterr()
+    assert res == json.loads(said.out)
     assert 85 <= res["k"] <= 115, res["k"]
+    (low, high), best = res["k_range"], res["k_by_argmax"]
+    assert (f"K = {res['k']}: plausible K {low}-{high}, within 2 pooled standard errors of the best smoothed score "
+            f"(K = {best}); the lower quartile is chosen") in said.err  # fmt: skip
     assert res["search"]["k_min"] == 50 and res["search"]["k_max"] == 200
 
 
