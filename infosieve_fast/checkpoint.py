@@ -171,7 +171,8 @@ def restore_rng_state(state: bytes) -> None:
 
 
 class CheckpointError(ValueError):
-    """A run-folder file that cannot be read: the message names the file and the way out."""
+    """A checkpoint or weights file that is not read (damaged, or holding more than tensors): the message names the
+    file and the way out."""
 
 
 def load_checkpoint(run_dir: str | Path, map_location="cpu", name: str = CHECKPOINT) -> dict[str, Any]:
@@ -182,6 +183,22 @@ def load_checkpoint(run_dir: str | Path, map_location="cpu", name: str = CHECKPO
     path = Path(run_dir) / name
     if not path.is_file():
         raise FileNotFoundError(f"no {name} in {run_dir}: pass the folder of a run that finished an epoch")
+    return read_tensors(
+        path,
+        map_location,
+        refused_hint="Was it written by another program?",
+        damaged_hint=(
+            "checkpoints are written atomically, so it was damaged afterwards (a copy cut short, a full disk): "
+            f"restore it from a copy, or start the run again (delete {path} and run `infosieve train --resume "
+            f"{path.parent}` to train it from epoch 1)"
+        ),
+    )
+
+
+def read_tensors(path: Path, map_location="cpu", *, refused_hint: str, damaged_hint: str) -> Any:
+    """`torch.load(path, weights_only=True)`: tensors, dicts, lists, str, bytes and numbers only, so reading a file
+    never runs code. A file holding other objects, or one that cannot be read, is a one-line `CheckpointError` naming
+    it, what it holds or why it fails, and the hint for the way out."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
@@ -191,14 +208,24 @@ def load_checkpoint(run_dir: str | Path, map_location="cpu", name: str = CHECKPO
             detail = f"it holds {found.group(1)}" if found else detail
             raise CheckpointError(
                 f"{path} holds objects other than tensors, numbers, strings, bytes and containers, so it is not read "
-                f"(weights_only=True: reading it could run code). Was it written by another program? ({detail})"
+                f"(weights_only=True: reading it could run code). {refused_hint} ({detail})"
             ) from err
-        raise CheckpointError(
-            f"{path} cannot be read ({type(err).__name__}: {detail}); "
-            f"checkpoints are written atomically, so it was damaged afterwards (a copy cut short, a full disk): "
-            f"restore it from a copy, or start the run again (delete {path} and run `infosieve train --resume "
-            f"{path.parent}` to train it from epoch 1)"
-        ) from err
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {detail}); {damaged_hint}") from err
+
+
+def read_pretrained(path: Path) -> Any:
+    """A `model.pretrained` weights file, read as `read_tensors` reads it (a training checkpoint that pickles its
+    arguments too is refused, with how to keep its weights alone)."""
+    return read_tensors(
+        path,
+        "cpu",
+        refused_hint=(
+            "If you trust the file, save its weights alone and point model.pretrained at that file: "
+            f"torch.save(torch.load({str(path)!r}, weights_only=False)['teacher'], 'weights.pth') (or the entry "
+            "'model' or 'state_dict', wherever its weights are)"
+        ),
+        damaged_hint="model.pretrained must be a PyTorch weights file: download it again, or point it at another",
+    )
 
 
 def write_json(path: str | Path, data: Any) -> None:

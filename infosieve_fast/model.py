@@ -22,6 +22,7 @@ import infosieve_kernels as kernels
 from infosieve_kernels.layers import mlp, trunc_normal_init
 
 from . import recompute
+from .checkpoint import read_pretrained
 from .config import ModelConfig
 
 _BLOCK_INDEX = re.compile(r"blocks?\.(\d+)\.")
@@ -194,7 +195,7 @@ def load_backbone_weights(net: nn.Module, path: str | Path) -> None:
             "path, or point model.pretrained at it (a relative path in a config file is resolved against the file's "
             "folder, on the command line against the working directory); nothing is downloaded at run time"
         )
-    state = _unwrapped(torch.load(path, map_location="cpu", weights_only=True))
+    state = _unwrapped(read_pretrained(path))
     _check_layout(net, state, path)
     state = _timm_filtered(net, state, path)
     own = net.state_dict()

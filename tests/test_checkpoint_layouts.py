@@ -2,7 +2,9 @@
 through timm's checkpoint filter (`model.load_backbone_weights`). Every checkpoint is built here with random values
 and the key names and shapes of its layout: nothing is downloaded."""
 
+import argparse
 import dataclasses
+import re
 
 import pytest
 import timm
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed
 
+from infosieve_fast.checkpoint import CheckpointError
 from infosieve_fast.config import ModelConfig, load_config
 from infosieve_fast.model import build_backbone, load_backbone_weights
 
@@ -166,6 +169,36 @@ def test_dino_v1_teacher_layout_still_loads(tmp_path):
     load_backbone_weights(net, saved(tmp_path, {"teacher": teacher, "student": {}, "epoch": 100}))
     for key, value in net.state_dict().items():
         torch.testing.assert_close(value, source[key], rtol=0, atol=0, msg=key)
+
+
+def test_a_training_checkpoint_that_pickles_its_arguments_is_refused_with_the_way_to_its_weights(tmp_path):
+    """DINO's training checkpoint holds its `argparse.Namespace` beside the weights: reading it could run code, so it is
+    refused in one line naming the file and the object; the recipe that line gives (for a file one trusts, here this
+    test's own) yields a file that loads."""
+    source = timm.create_model("vit_small_patch16_224", num_classes=0, depth=1).state_dict()
+    teacher = {f"backbone.{k}": v for k, v in source.items()}
+    path = tmp_path / "checkpoint.pth"
+    torch.save({"teacher": teacher, "args": argparse.Namespace(arch="vit_small"), "epoch": 100}, path)
+    net = timm.create_model("vit_small_patch16_224", num_classes=0, depth=1)
+    with pytest.raises(CheckpointError) as err:
+        load_backbone_weights(net, path)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{path} holds objects other than tensors")
+    assert "(it holds argparse.Namespace)" in message and "point model.pretrained at that file" in message
+    recipe = re.search(r"torch\.save\(.*?'weights\.pth'\)", message).group(0)
+    exec(recipe.replace("'weights.pth'", repr(str(tmp_path / "w.pth"))), {"torch": torch})
+    load_backbone_weights(net, tmp_path / "w.pth")
+    for key, value in net.state_dict().items():
+        torch.testing.assert_close(value, source[key], rtol=0, atol=0, msg=key)
+
+
+def test_a_weights_file_cut_short_is_named(tmp_path):
+    net = timm.create_model("vit_small_patch16_224", num_classes=0, depth=1)
+    path = tmp_path / "weights.pth"
+    torch.save(net.state_dict(), path)
+    path.write_bytes(path.read_bytes()[:1000])  # a download cut short
+    with pytest.raises(CheckpointError, match=r"cannot be read \(.*\); model.pretrained must be a PyTorch weights"):
+        load_backbone_weights(net, path)
 
 
 def test_a_timm_classifier_checkpoint_keeps_the_heads_feature_norm(tmp_path):
