@@ -162,14 +162,19 @@ def estimate_k(
         "k_range": found["k_range"],
         "k_by_argmax": found["k_by_argmax"],
         "pooled_standard_error": round(found["noise"], 6),
-        "criteria": {
-            "labelled_accuracy": {str(k): round(scores[k], 6) for k in sorted(scores)},
-            "labelled_accuracy_standard_error": {str(k): round(errors[k], 6) for k in sorted(scores)},
-            "labelled_accuracy_smoothed": {str(k): round(v, 6) for k, v in sorted(found["curve"].items())},
-            "unlabelled_silhouette": {str(k): round(v, 6) for k, v in silhouettes.items()},
-        },
+        "criteria": criteria_curves(scores, errors, found["curve"], silhouettes),
         "k_by_silhouette": max(silhouettes, key=lambda k: silhouettes[k]) if silhouettes else None,
         "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def criteria_curves(scores: dict, errors: dict, smoothed: dict, silhouettes: dict) -> dict:
+    """The result's `criteria`: each curve by K (as strings, ascending), rounded to 6 decimals."""
+    return {
+        "labelled_accuracy": {str(k): round(scores[k], 6) for k in sorted(scores)},
+        "labelled_accuracy_standard_error": {str(k): round(errors[k], 6) for k in sorted(scores)},
+        "labelled_accuracy_smoothed": {str(k): round(v, 6) for k, v in sorted(smoothed.items())},
+        "unlabelled_silhouette": {str(k): round(v, 6) for k, v in silhouettes.items()},
     }
 
 
