@@ -1,4 +1,6 @@
-"""Data sources for training: the embedded digits demo and WebDataset shards."""
+"""The data, in two sides: `writing/` (make-shards: datasets in their native layouts -> WebDataset shards) and
+`reading/` (shards or the embedded digits demo -> the trainer's batches), with what both agree on beside them
+(`splits.py`, `shard_manifest.py`, `shard_format.py`). Here: the training source a config names."""
 
 from __future__ import annotations
 
