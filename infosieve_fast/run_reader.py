@@ -36,25 +36,28 @@ def describe(state: dict, which: str) -> str:
     return f"best ({state['best']['criterion']}, epoch {state['best']['epoch']})"
 
 
-def load_run_checkpoint(run_dir: str | Path, which: str = "last", map_location="cpu") -> tuple[dict, str]:
-    """(state, `describe`'s words) of the run's last or best checkpoint."""
+def checkpoint_name(which: str) -> str:
+    """The file name of a run's `which` ("last" or "best") checkpoint."""
     if which not in CHECKPOINTS:
         raise ValueError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}, got {which!r}")
-    if which == "best" and not (Path(run_dir) / BEST_CHECKPOINT).is_file():
+    return ckpt.CHECKPOINT if which == "last" else BEST_CHECKPOINT
+
+
+def load_run_checkpoint(run_dir: str | Path, which: str = "last", map_location="cpu") -> tuple[dict, str]:
+    """(state, `describe`'s words) of the run's last or best checkpoint."""
+    name = checkpoint_name(which)
+    if which == "best" and not (Path(run_dir) / name).is_file():
         raise FileNotFoundError(
-            f"no {BEST_CHECKPOINT} in {run_dir}: the run keeps only its last checkpoint (checkpoint.best: none). Read "
+            f"no {name} in {run_dir}: the run keeps only its last checkpoint (checkpoint.best: none). Read "
             "it with --checkpoint last, or train with --set checkpoint.best=labelled_holdout (or kmeans_objective)"
         )
-    name = ckpt.CHECKPOINT if which == "last" else BEST_CHECKPOINT
     state = ckpt.load_checkpoint(run_dir, map_location=map_location, name=name)
     return state, describe(state, which)
 
 
 def describe_run(run_dir: str | Path, which: str = "last") -> str:
     """`describe` of a run folder's checkpoint, read memory-mapped (cheap: no tensor is loaded)."""
-    if which not in CHECKPOINTS:
-        raise ValueError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}, got {which!r}")
-    path = Path(run_dir) / (ckpt.CHECKPOINT if which == "last" else BEST_CHECKPOINT)
+    path = Path(run_dir) / checkpoint_name(which)
     if not path.is_file():
         return f"{which}: no {path.name} in {run_dir}"
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
