@@ -23,6 +23,13 @@ def read_names(run: str | Path) -> dict[int, str]:
     return {int(key.removeprefix("novel-")): name for key, name in json.loads(path.read_text()).items()}
 
 
+def checkpoint_names(run: str | Path, checkpoint: str) -> dict[int, str]:
+    """The names that hold for the clusters of the run's `checkpoint` ("last" or "best"): RUN/names.json names the
+    final clustering's clusters (the last checkpoint's, RUN/clustering.npz); the best checkpoint's clustering is
+    computed again and its cluster numbers are its own, so none of them carries a name."""
+    return read_names(run) if checkpoint == "last" else {}
+
+
 def parse_assignment(text: str) -> tuple[str, str]:
     """`novel-7=Blue Jay` -> ("novel-7", "Blue Jay"); the name stripped of surrounding spaces."""
     cluster, sep, name = text.partition("=")

@@ -9,8 +9,6 @@ beside each novel cluster, `infosieve tree` prints it and stores it in tree.json
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from .discovery import cluster_name
@@ -90,20 +88,3 @@ def place_text(place: dict) -> str:
         f"{name}: {place['size']} pool images, prefix {place['prefix'] or '(root)'}; nearest known: {nearest} "
         f"({place['shared_digits']} shared digits)"
     )
-
-
-def run_places(
-    run: str | Path, codes: dict[int, str], targets: dict[int, int], class_names: list[str], n_clusters: int, depth: int
-) -> list[dict]:
-    """`place_clusters` of the run folder's final clustering (RUN/clustering.npz) and names (RUN/names.json); [] for
-    a run without an unlabelled pool (or without a finished clustering)."""
-    from .cluster_names import read_names
-
-    path = Path(run) / "clustering.npz"
-    if not path.is_file():
-        return []
-    with np.load(path) as z:
-        clustering = {k: z[k] for k in z.files}
-    if not (clustering["targets"] == NO_LABEL).any():
-        return []
-    return place_clusters(codes, targets, clustering, class_names, n_clusters, read_names(run), depth)

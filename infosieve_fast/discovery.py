@@ -135,10 +135,12 @@ def pool_section(
     return f"<h2>Discovery: the unlabelled pool</h2>{text}<table>{head}{''.join(rows)}</table>"
 
 
-def run_pool_section(run: Path, clustering: dict) -> str:
-    """`pool_section` of the run folder `run`, with the class names and the number of clusters of its checkpoint."""
+def run_pool_section(run: Path, clustering: dict, checkpoint: str) -> str:
+    """`pool_section` of the run folder `run`, with the class names and the number of clusters of its checkpoint and
+    the names that hold for `checkpoint`'s clusters."""
     from .checkpoint import load_checkpoint
-    from .cluster_names import read_names
+    from .cluster_names import checkpoint_names
 
     state = load_checkpoint(run)
-    return pool_section(run, clustering, list(state["class_names"]), len(state["centers"]), read_names(run))
+    names = checkpoint_names(run, checkpoint)
+    return pool_section(run, clustering, list(state["class_names"]), len(state["centers"]), names)

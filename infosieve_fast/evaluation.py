@@ -60,6 +60,13 @@ class Evaluation:
     targets: Tensor  # long [n_train], -1 for unreadable samples
     unlabelled: Tensor  # bool [n_train]: unlabelled and readable (the samples the metrics are computed on)
 
+    def unlabelled_table(self, n_old: int) -> dict:
+        """{"uq", "targets", "preds" (numpy, of the unlabelled samples), "n_old"}: what RUN/clustering.npz holds, and
+        what the report, the gallery and the tree's novel-cluster places read."""
+        unl = self.unlabelled
+        arrays = {"uq": unl.nonzero().squeeze(1), "targets": self.targets[unl], "preds": self.clustering.labels[unl]}
+        return {k: v.cpu().numpy() for k, v in arrays.items()} | {"n_old": n_old}
+
 
 @dataclass
 class ClusterCount:

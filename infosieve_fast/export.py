@@ -19,6 +19,7 @@ import numpy as np
 
 from .cluster_names import read_names
 from .metrics import NO_LABEL
+from .run_reader import CLUSTERING, read_clustering
 
 
 def placed_files(names: list[str], clustering: dict, given: dict[int, str]) -> dict[str, str]:
@@ -57,11 +58,9 @@ def export_run(run: str | Path, out: str | Path) -> dict:
     given = read_names(run)
     if not given:
         raise ValueError(f"{run} has no named cluster: name one first (infosieve name --run {run} novel-K=NAME)")
-    clustering_path = run / "clustering.npz"
-    if not clustering_path.is_file():
-        raise FileNotFoundError(f"{clustering_path} not found: the run has not finished (its final clustering)")
-    with np.load(clustering_path) as z:
-        clustering = {k: z[k] for k in z.files}
+    clustering = read_clustering(run)
+    if clustering is None:
+        raise FileNotFoundError(f"{run / CLUSTERING} not found: the run has not finished (its final clustering)")
     state = load_checkpoint(run)
     images = run_images(run, from_saved(state["config"]).data.shards)
     placed = placed_files(images.names, clustering, given)

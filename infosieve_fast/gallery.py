@@ -114,7 +114,7 @@ def gallery_html(run: Path, g: Gallery, depth: int) -> str:
 def run_gallery(run: Path, clustering: dict, checkpoint: str, depth: int) -> tuple[str, dict]:
     """The gallery section of the run's last (or best) checkpoint, and the category tree of the same pass's codes to
     `depth` (what the report draws when no tree.json was written)."""
-    from .cluster_names import read_names
+    from .cluster_names import checkpoint_names
     from .run_reader import assignment_centers, read_run
     from .tree import build_tree
 
@@ -126,7 +126,7 @@ def run_gallery(run: Path, clustering: dict, checkpoint: str, depth: int) -> tup
     centers = assignment_centers(trainer, run, checkpoint)
     view = pool_view(trainer, centers, clusters)
     names = list(trainer.source.class_names)
-    g = Gallery(clustering, view, images, names, len(centers), read_names(run))
+    g = Gallery(clustering, view, images, names, len(centers), checkpoint_names(run, checkpoint))
     uqs = sorted(view.codes)
     tree = build_tree([view.codes[u] for u in uqs], [view.targets[u] for u in uqs], depth) | {"class_names": names}
     return gallery_html(run, g, depth), tree

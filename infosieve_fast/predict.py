@@ -44,7 +44,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
-from .cluster_names import read_names
+from .cluster_names import checkpoint_names
 from .config import from_saved
 from .data.reading.augment import AugmentConfig, DeviceAugment
 from .data.reading.decode import pad_into
@@ -221,7 +221,7 @@ def predict(
     # the last checkpoint's clustering is the run's final one (clustering.npz); the best's is computed again
     assignments = run_assignments(run_dir, d.shards, image_keys) if checkpoint == "last" else None
     centers = centers_from_run(run_dir, state, checkpoint).to(dev).float()
-    sorter = ImageSorter(model, centers, state, assignments, read_names(run_dir))
+    sorter = ImageSorter(model, centers, state, assignments, checkpoint_names(run_dir, checkpoint))
     bar = tqdm(total=len(items), desc="predict", unit="img", disable=not progress)
     for tried, paths, imgs, keys in _batches(items, batch_size, sorter.shorter, sorter.channels, assignments):
         bar.update(tried)

@@ -30,7 +30,7 @@ import numpy as np
 from .checkpoint import read_log
 from .discovery import run_pool_section, unscored_notes, unscored_parts
 from .metrics import NO_LABEL
-from .run_reader import describe_run
+from .run_reader import describe_run, read_clustering
 
 TREE_DEPTH = 4
 
@@ -238,9 +238,8 @@ def write_report(
         raise FileNotFoundError(f"{log_path} not found: pass a run folder written by `infosieve train`")
     log = read_log(log_path)
     metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").is_file() else None
-    if clustering is None and (run / "clustering.npz").is_file():
-        with np.load(run / "clustering.npz") as z:
-            clustering = {k: z[k] for k in z.files}
+    if clustering is None:
+        clustering = read_clustering(run)
     if tree is None and (run / "tree.json").is_file():
         tree = json.loads((run / "tree.json").read_text())
     read, read_metrics = describe_run(run, "last"), None
@@ -258,7 +257,7 @@ def write_report(
         body.append(figure_html(out / name, caption))
     table = metrics_table(metrics, unscored) if metrics is not None else ""
     if clustering is not None and (np.asarray(clustering["targets"]) == NO_LABEL).any():
-        table += run_pool_section(run, clustering) + gallery
+        table += run_pool_section(run, clustering, checkpoint) + gallery
     notes_html = "".join(f"<p><em>{html.escape(n)}</em></p>" for n in notes)
     head = f"<h1>{html.escape(str(run))}</h1>{checkpoint_html(read, read_metrics)}"
     page = html_page("infosieve report", f"{head}{table}{notes_html}{''.join(body)}")
@@ -334,14 +333,7 @@ def best_checkpoint_view(run: Path, depth: int) -> tuple[str, dict, dict, dict]:
 
     trainer, read = read_run(run, "best")
     ev = trainer.evaluate_full()
-    unl = ev.unlabelled
-    clustering = {
-        "uq": unl.nonzero().squeeze(1).cpu().numpy(),
-        "targets": ev.targets[unl].cpu().numpy(),
-        "preds": ev.clustering.labels[unl].cpu().numpy(),
-        "n_old": trainer.source.n_old,
-    }
-    return read, ev.metrics, clustering, trainer_tree(trainer, depth)
+    return read, ev.metrics, ev.unlabelled_table(trainer.source.n_old), trainer_tree(trainer, depth)
 
 
 def checkpoint_html(read: str, metrics: dict | None) -> str:

@@ -416,10 +416,7 @@ def write_clustering(run_dir: Path, final: Evaluation, n_old: int) -> None:
     reported metrics score, for `infosieve report`."""
     import numpy as np
 
-    unl = final.unlabelled
-    arrays = {"uq": torch.nonzero(unl).squeeze(1), "targets": final.targets[unl], "preds": final.clustering.labels[unl]}
-    arrays = {k: v.cpu().numpy() for k, v in arrays.items()}
-    ckpt.atomic_write(run_dir / CLUSTERING, lambda f: np.savez(f, n_old=n_old, **arrays))
+    ckpt.atomic_write(run_dir / CLUSTERING, lambda f: np.savez(f, **final.unlabelled_table(n_old)))
 
 
 def print_table(metrics: dict[str, dict[str, float | None]], protocol: str) -> None:

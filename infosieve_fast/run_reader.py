@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from . import checkpoint as ckpt
@@ -27,6 +28,16 @@ def read_best(run_dir: str | Path) -> dict | None:
     """RUN/best.json, None when the run keeps no best checkpoint (yet)."""
     path = Path(run_dir) / BEST
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_clustering(run_dir: str | Path) -> dict | None:
+    """RUN/clustering.npz as {"uq", "targets", "preds", "n_old"} (`Evaluation.unlabelled_table`), None before the run
+    has finished."""
+    path = Path(run_dir) / CLUSTERING
+    if not path.is_file():
+        return None
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
 
 
 def describe(state: dict, which: str) -> str:
@@ -82,22 +93,32 @@ def read_run(run_dir: str | Path, checkpoint: str = "last") -> tuple[Trainer, st
 
 def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last") -> dict:
     """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`, under "checkpoint" what was
-    read and, for the last checkpoint of a run with an unlabelled pool, under "novel_clusters" each novel cluster's
-    place in the tree (cluster_places.py)."""
-    from .cluster_places import run_places
+    read and, for a run with an unlabelled pool, under "novel_clusters" each novel cluster's place in the tree
+    (cluster_places.py): of the final clustering (RUN/clustering.npz) for the last checkpoint, of the best's own
+    clustering, computed again, for the best."""
+    from .cluster_names import checkpoint_names
+    from .cluster_places import place_clusters
     from .code_metrics import code_features
+    from .metrics import NO_LABEL
 
     trainer, read = read_run(run_dir, checkpoint)
     fs = code_features(trainer.evaluator())
     tree = trainer_tree(trainer, max_depth, fs) | {"checkpoint": read}
-    if checkpoint == "last" and trainer.centers is not None:  # RUN/clustering.npz is the last checkpoint's
-        length, uq = trainer.cfg.model.code_length, fs.uq.tolist()
-        codes = dict(zip(uq, code_strings(fs.feats[:, :length], fs.feats[:, length:]), strict=True))
-        targets = dict(zip(uq, fs.targets.tolist(), strict=True))
-        names = list(trainer.source.class_names)
-        places = run_places(run_dir, codes, targets, names, len(trainer.centers), max_depth)
-        if places:
-            tree["novel_clusters"] = places
+    if not (fs.targets == NO_LABEL).any():
+        return tree
+    n_old = trainer.source.n_old
+    if checkpoint == "best":
+        final = trainer.evaluate_full()
+        clustering, n_clusters = final.unlabelled_table(n_old), len(final.clustering.centers)
+    elif trainer.centers is not None:  # the final evaluation's, saved with RUN/clustering.npz
+        clustering, n_clusters = read_clustering(run_dir), len(trainer.centers)
+    else:  # a run stopped before its final clustering
+        return tree
+    length, uq = trainer.cfg.model.code_length, fs.uq.tolist()
+    codes = dict(zip(uq, code_strings(fs.feats[:, :length], fs.feats[:, length:]), strict=True))
+    targets = dict(zip(uq, fs.targets.tolist(), strict=True))
+    names, given = list(trainer.source.class_names), checkpoint_names(run_dir, checkpoint)
+    tree["novel_clusters"] = place_clusters(codes, targets, clustering, names, n_clusters, given, max_depth)
     return tree
 
 

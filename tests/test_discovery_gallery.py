@@ -23,7 +23,7 @@ from infosieve_fast.run_reader import trainer_from_run
 
 SPECIES, KNOWN, PER_CLASS = range(20, 30), 5, 12  # the first 5 of the species known; 12 images each
 TRAIN = ["kmeans.n_clusters=10", "schedule.epochs=1", "train.max_steps_per_epoch=1", "data.batch_size=32",
-         "kmeans.n_init=2", "train.device=cpu"]  # fmt: skip
+         "kmeans.n_init=2", "train.device=cpu", "checkpoint.best=kmeans_objective"]  # fmt: skip
 
 
 def _birds(realdata: Path, root: Path) -> None:
@@ -211,6 +211,29 @@ def test_predict_and_tree_carry_the_names(run, tmp_path, capsys):
         label = f"{given[place['cluster']]} (novel-{place['cluster']})" if place["cluster"] in given else place["name"]
         assert f"  {label}: {place['size']} pool images, prefix " in printed
         assert f"novel: {html.escape(place_text(place).partition(': ')[2])}</p>" in page  # where the report put it
+
+
+def test_the_best_checkpoint_places_its_own_clusters_and_carries_no_name_of_the_last(run, tmp_path, capsys):
+    """names.json names the final clustering's clusters; the best checkpoint's clustering is its own, computed again:
+    tree and predict place and name its clusters, and the last's names stay off them."""
+    root, run = run
+    assert cli.main(["name", "--run", str(run), "novel-5=Blue Jay"]) == 0
+    best = trainer_from_run(run, "best").evaluate_full()
+    pool = best.unlabelled_table(KNOWN)
+    pool_of = {k: int(((pool["targets"] == NO_LABEL) & (pool["preds"] == k)).sum()) for k in range(KNOWN, 10)}
+    capsys.readouterr()
+    assert cli.main(["tree", "--run", str(run), "--checkpoint", "best", "--depth", "4"]) == 0
+    tree = json.loads((run / "tree-best.json").read_text())
+    assert tree["checkpoint"].startswith("best (kmeans_objective")
+    assert {p["cluster"]: p["size"] for p in tree["novel_clusters"]} == {k: n for k, n in pool_of.items() if n}
+    assert all(p["name"] == f"novel-{p['cluster']}" for p in tree["novel_clusters"])
+    assert "Blue Jay" not in capsys.readouterr().out
+    out = tmp_path / "best.jsonl"
+    assert cli.main(["predict", "--run", str(run), "--images", str(root / "unlabelled"), "--out", str(out),
+                     "--checkpoint", "best"]) == 0  # fmt: skip
+    known = sorted(p.name for p in (root / "labelled").iterdir())
+    for r in map(json.loads, out.read_text().splitlines()):
+        assert r["name"] == (known[r["cluster"]] if r["cluster"] < KNOWN else f"novel-{r['cluster']}")
 
 
 def test_export_writes_the_next_rounds_folder_with_the_named_clusters_as_known(run, tmp_path, capsys):
