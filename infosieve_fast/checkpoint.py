@@ -175,10 +175,12 @@ class CheckpointError(ValueError):
     file and the way out."""
 
 
-def load_checkpoint(run_dir: str | Path, map_location="cpu", name: str = CHECKPOINT) -> dict[str, Any]:
+def load_checkpoint(
+    run_dir: str | Path, map_location="cpu", name: str = CHECKPOINT, mmap: bool = False
+) -> dict[str, Any]:
     """The run's last checkpoint (or the file `name`, e.g. the best one), read with `weights_only=True` (tensors, dicts,
     lists, str, bytes, numbers only: a checkpoint never runs code when it is read). A pending background write is
-    waited for first."""
+    waited for first. `mmap`: the tensors stay on disk until used (for reading only its records)."""
     wait_for_checkpoint()
     path = Path(run_dir) / name
     if not path.is_file():
@@ -186,6 +188,7 @@ def load_checkpoint(run_dir: str | Path, map_location="cpu", name: str = CHECKPO
     return read_tensors(
         path,
         map_location,
+        mmap=mmap,
         refused_hint="Was it written by another program?",
         damaged_hint=(
             "checkpoints are written atomically, so it was damaged afterwards (a copy cut short, a full disk): "
@@ -195,12 +198,12 @@ def load_checkpoint(run_dir: str | Path, map_location="cpu", name: str = CHECKPO
     )
 
 
-def read_tensors(path: Path, map_location="cpu", *, refused_hint: str, damaged_hint: str) -> Any:
+def read_tensors(path: Path, map_location="cpu", *, refused_hint: str, damaged_hint: str, mmap: bool = False) -> Any:
     """`torch.load(path, weights_only=True)`: tensors, dicts, lists, str, bytes and numbers only, so reading a file
     never runs code. A file holding other objects, or one that cannot be read, is a one-line `CheckpointError` naming
     it, what it holds or why it fails, and the hint for the way out."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
         detail = (str(err).splitlines() or ["no detail"])[0].split(". ")[0]
         if isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower():

@@ -68,11 +68,10 @@ def load_run_checkpoint(run_dir: str | Path, which: str = "last", map_location="
 
 def describe_run(run_dir: str | Path, which: str = "last") -> str:
     """`describe` of a run folder's checkpoint, read memory-mapped (cheap: no tensor is loaded)."""
-    path = Path(run_dir) / checkpoint_name(which)
-    if not path.is_file():
-        return f"{which}: no {path.name} in {run_dir}"
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return describe(state, which)
+    name = checkpoint_name(which)
+    if not (Path(run_dir) / name).is_file():
+        return f"{which}: no {name} in {run_dir}"
+    return describe(ckpt.load_checkpoint(run_dir, name=name, mmap=True), which)
 
 
 def trainer_from_run(run_dir: str | Path, checkpoint: str = "last") -> Trainer:

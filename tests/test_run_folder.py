@@ -16,6 +16,7 @@ from infosieve_fast.config import ConfigError, config_drift, load_config, save_c
 from infosieve_fast.engine import Trainer
 from infosieve_fast.model import build_backbone
 from infosieve_fast.run_folder import train
+from infosieve_fast.run_reader import describe_run
 from tests.test_engine import SMOKE, smoke_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +107,8 @@ def test_a_truncated_checkpoint_names_its_path_and_the_fix(tmp_path, capsys):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=rf"{path} cannot be read .*--resume {tmp_path}"):
         load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"{path} cannot be read .*--resume {tmp_path}"):
+        describe_run(tmp_path)  # what report and compare read, memory-mapped
     assert cli.main(["eval", "--run", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {path} cannot be read")
 
