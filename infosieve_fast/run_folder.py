@@ -170,7 +170,9 @@ def resume_run(cfg: Config, run_dir: Path, overrides: list[str], device: torch.d
     its `--set` changes recorded; `Trainer.load_state_dict` then continues it."""
     state = ckpt.load_checkpoint(run_dir, map_location=device)
     changed = check_drift(cfg, state, run_dir, overrides)
-    if state["epoch"] >= cfg.schedule.epochs and (run_dir / METRICS).is_file() and not changed:
+    if state["epoch"] >= cfg.schedule.epochs and (run_dir / METRICS).is_file():
+        if changed:
+            refuse_set_on_finished_run(run_dir, state["epoch"], changed)
         return state, True
     reopen_run(cfg, run_dir, state["epoch"], overrides, changed)
     if dist.is_main_process():
@@ -205,6 +207,16 @@ def check_drift(cfg: Config, state: dict, run_dir: Path, overrides: list[str]) -
             f"--set KEY=VALUE` (recorded in {run_dir / RESUMES})"
         )
     return explained
+
+
+def refuse_set_on_finished_run(run_dir: Path, epochs: int, changed: dict) -> None:
+    """A `--set` that leaves a finished run no epoch to train would only rewrite its config.yaml, which would then no
+    longer describe the run behind metrics.json: refused before anything is written."""
+    raise ConfigError(
+        f"--set {', '.join(changed)} on resume: {run_dir} is finished (its {epochs} epochs trained, its result in "
+        f"{run_dir / METRICS}), so the change would train nothing; continue it with --set schedule.epochs="
+        f"{epochs + 1} (or more) alongside, or start a new run with --config"
+    )
 
 
 def _recorded_overrides(run_dir: Path, epoch: int) -> dict:

@@ -179,6 +179,30 @@ def test_resume_refuses_drift_records_set_and_never_reads_pretrained(tmp_path, c
         assert f"infosieve {command} --run {run}" in out
 
 
+def test_a_set_on_a_finished_run_is_refused_unless_it_raises_the_epochs(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(smoke_config("schedule.epochs=1"), run)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    capsys.readouterr()
+    # lr alone leaves the finished run nothing to train: refused, and the folder is byte for byte as it was
+    assert cli.main(["train", "--resume", str(run), "--set", "optim.lr=0.01"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: --set optim.lr on resume: {run} is finished (its 1 epochs trained")
+    assert "--set schedule.epochs=2" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    # with more epochs the run goes on, and every change it carries is announced and recorded
+    argv = ["train", "--resume", str(run), "--set", "optim.lr=0.001", "--set", "schedule.epochs=2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"resuming {run} at epoch 2/2" in out
+    assert f"  --set optim.lr: 0.002 -> 0.001 (recorded in {run / 'resumes.jsonl'})" in out
+    assert f"  --set schedule.epochs: 1 -> 2 (recorded in {run / 'resumes.jsonl'})" in out
+    (record,) = read_log(run / "resumes.jsonl")
+    assert record["epoch"] == 1 and record["changed"] == {"optim.lr": [0.002, 0.001], "schedule.epochs": [1, 2]}
+    assert [r["epoch"] for r in read_log(run / "log.jsonl")] == [0, 1] and load_checkpoint(run)["epoch"] == 2
+
+
 def test_a_run_killed_before_its_first_checkpoint_starts_again(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
