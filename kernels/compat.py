@@ -4,7 +4,8 @@ Each class or function here has the name and call signature of its counterpart i
 `methods/contrastive_training/contrastive_training.py` / `models/vision_transformer.py`, and computes the same value
 through the `infosieve_kernels` dispatch (fused Triton kernels on CUDA, the PyTorch reference elsewhere; the environment
 variable `INFOSIEVE_KERNELS=triton|torch` forces one everywhere). `patch_reference(module)` swaps them into a loaded
-reference module, the way Liger-Kernel's `apply_liger_kernel_to_*` patches a model. The reference's `is_code`
+reference module, the way Liger-Kernel's `apply_liger_kernel_to_*` patches a model; for the training file, which the
+original runs with `-m`, that is the running `sys.modules[__name__]` (docs/compat.md). The reference's `is_code`
 argument keeps its name here; it is the kernels' `rowsum_normalize` (divide distances by their row sums).
 
 Differences from the reference, all within float tolerance (see docs/compat.md):
@@ -19,6 +20,8 @@ Differences from the reference, all within float tolerance (see docs/compat.md):
 
 from __future__ import annotations
 
+import os
+import sys
 import types
 from collections.abc import Iterable
 
@@ -238,20 +241,42 @@ PATCHED_NAMES = ("SupConLoss", "HLoss", "NormPLoss", "Norm0Loss", "DINOLABELLING
 def patch_reference(module: types.ModuleType, names: Iterable[str] = PATCHED_NAMES) -> dict[str, object]:
     """Replace the reference names in `module` by this module's, in place; return {name: what was there}.
 
-    Names the module lacks are skipped, except `info_nce_loss`, which is always added (the reference has no fused
-    InfoNCE; call sites that want it use `module.info_nce_loss(...)`); its entry is None when it was absent. Patch
-    before the model and the losses are built: instances made earlier keep their class. `unpatch_reference(module,
-    replaced)` undoes it.
+    Names the module lacks are skipped, except that `info_nce_loss` is added beside `info_nce_logits` (the reference
+    has no fused InfoNCE; the call sites that want it call `info_nce_loss(...)`); its entry is None then. Patch before
+    the model and the losses are built: instances made earlier keep their class. `unpatch_reference(module,
+    replaced)` undoes it. A second copy of the running script is refused (`_check_not_a_copy_of_main`).
     """
+    _check_not_a_copy_of_main(module)
     replaced: dict[str, object] = {}
     for name in names:
         if name not in PATCHED_NAMES:
             raise ValueError(f"{name!r} is not one of the names compat provides: {PATCHED_NAMES}")
-        if not hasattr(module, name) and name != "info_nce_loss":
+        added = name == "info_nce_loss" and hasattr(module, "info_nce_logits")
+        if not hasattr(module, name) and not added:
             continue
         replaced[name] = getattr(module, name, None)
         setattr(module, name, globals()[name])
     return replaced
+
+
+def _check_not_a_copy_of_main(module: types.ModuleType) -> None:
+    """Refuse `module` when it is another copy of the file running as `__main__`.
+
+    `python -m pkg.mod` (how the original trains) runs pkg/mod.py as `__main__`; `import pkg.mod` inside it loads the
+    file a second time as a separate module, and patching that copy leaves the names the running code looks up alone.
+    """
+    main = sys.modules.get("__main__")
+    if main is None or main is module:
+        return
+    spec = getattr(main, "__spec__", None)
+    main_file, module_file = getattr(main, "__file__", None), getattr(module, "__file__", None)
+    same_file = bool(main_file and module_file) and os.path.realpath(main_file) == os.path.realpath(module_file)
+    if same_file or (spec is not None and spec.name == module.__name__):
+        raise ValueError(
+            f"patch_reference: {module.__name__} is a second copy of the running __main__ ({main_file}), so patching "
+            "it leaves the running code's names alone; inside that file patch the running module instead: "
+            "compat.patch_reference(sys.modules[__name__])"
+        )
 
 
 def unpatch_reference(module: types.ModuleType, replaced: dict[str, object]) -> None:
