@@ -139,6 +139,7 @@ def _tree(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    from .data.shard_format import IMAGE_SUFFIXES
     from .predict import predict
 
     summary = predict(
@@ -149,6 +150,11 @@ def _predict(args: argparse.Namespace) -> int:
         f"wrote {summary['written']} predictions to {summary['out']} ({summary['skipped']} unreadable images "
         f"skipped; {summary['clusters_used']} clusters used)"
     )
+    if summary["not_images"]:
+        print(
+            f"{summary['not_images']} files that are not images skipped (by their suffix: "
+            f"{', '.join(summary['not_image_suffixes'])}); images end in {', '.join(IMAGE_SUFFIXES)}"
+        )
     if summary["run_clustered"]:
         print(
             f"{summary['run_clustered']} of them the run itself clustered: each keeps the run's final cluster "

@@ -23,7 +23,8 @@ code, prefix and tree_path:
 - prefix: the code cut at the first bit the mask switches off;
 - tree_path: the prefix's nodes in the implicit category tree, from depth 1 down to the prefix.
 
-Images that cannot be read are reported and skipped.
+Images that cannot be read are reported and skipped; so are the files of an image folder that are not images (by
+their suffix, the list make-shards reads: `data/shard_format.py`), counted in the summary.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from .data.reading.decode import pad_into
 from .data.reading.intake import SHARD_SUFFIXES, is_manifest_folder, parse_image_keys, shard_paths
 from .data.reading.stream import decode_image
 from .data.reading.tar import IMAGE_KEYS, image_members, read_span
+from .data.shard_format import IMAGE_SUFFIXES
 from .discovery import cluster_name
 from .model import InfoSieve
 from .run_assignment import RunAssignments, content_hash, run_assignments
@@ -58,7 +60,6 @@ from .run_reader import describe, load_run_checkpoint
 from .trainer_setup import resolve_device
 from .tree import code_strings
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 OUTPUT_SUFFIXES = (".jsonl", ".csv")
 FIELDS = ("path", "cluster", "name", "margin", "code", "prefix", "tree_path")
 
@@ -131,14 +132,19 @@ def shard_items(spec, image_keys: tuple[str, ...]) -> list[tuple[str, object]]:
     return items
 
 
-def image_items(path: str | Path, image_keys: tuple[str, ...] = IMAGE_KEYS) -> list[tuple[str, object]]:
-    """(name, source) of every image under `path`: a folder, a list file or shards (see the module doc)."""
+def image_items(
+    path: str | Path, image_keys: tuple[str, ...] = IMAGE_KEYS, not_images: list[Path] | None = None
+) -> list[tuple[str, object]]:
+    """(name, source) of every image under `path`: a folder, a list file or shards (see the module doc). The files of
+    a folder that are not images (by their suffix) are appended to `not_images` when it is given."""
     path = Path(path)
     if _is_shards(path):
         return shard_items(path, image_keys)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if _is_image(p) and p.is_file())
-        return [(str(p), p) for p in files]
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        if not_images is not None:
+            not_images += [p for p in files if not _is_image(p)]
+        return [(str(p), p) for p in files if _is_image(p)]
     if path.is_file():
         lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
         return [(line, path.parent / line) for line in lines]
@@ -212,7 +218,8 @@ def predict(
     model, state = model_from_run(run_dir, dev, checkpoint)
     d = from_saved(state["config"]).data
     image_keys = parse_image_keys(d.intake.image_keys)
-    items = image_items(images, image_keys)
+    not_images: list[Path] = []
+    items = image_items(images, image_keys, not_images)
     if not items:
         raise ValueError(
             f"--images {images} holds no images (files ending in {', '.join(IMAGE_SUFFIXES)}, a list of them, or "
@@ -238,6 +245,8 @@ def predict(
         "images": len(items),
         "written": len(sorter.records),
         "skipped": len(items) - len(sorter.records),
+        "not_images": len(not_images),
+        "not_image_suffixes": sorted({p.suffix.lower() or "no suffix" for p in not_images}),
         "run_clustered": sorter.recognised,
         "out": str(out),
         "clusters_used": int((sorter.counts > 0).sum()),

@@ -79,6 +79,35 @@ def test_csv_output_and_a_list_file(run, capsys):
     assert cli.main(["predict", "--run", str(base / "run"), "--images", str(listing), "--out", "x.txt"]) == 2
 
 
+def test_every_image_make_shards_reads_is_sorted_and_other_files_are_counted(run, tmp_path, capsys):
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    from infosieve_fast.data.shard_format import IMAGE_SUFFIXES
+
+    assert sorted(IMAGE_SUFFIXES) == sorted(IMG_EXTENSIONS)  # make-shards' imagefolder reads what torchvision reads
+    base, _, source = run
+    images = tmp_path / "images"
+    images.mkdir()
+    pixels = Image.fromarray(source.images[5, 0].numpy())
+    options = {".jpg": {"quality": 100}, ".jpeg": {"quality": 100}, ".webp": {"lossless": True}}
+    for suffix in IMAGE_SUFFIXES:
+        pixels.save(images / f"a{suffix}", **options.get(suffix, {}))
+    (images / "notes.txt").write_text("not an image")
+    (images / "README").write_text("not an image")
+    out = tmp_path / "pred.jsonl"
+    assert cli.main(["predict", "--run", str(base / "run"), "--images", str(images), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {len(IMAGE_SUFFIXES)} predictions" in printed
+    assert "2 files that are not images skipped (by their suffix: .txt, no suffix)" in printed
+    records = {json.loads(line)["path"].rsplit(".", 1)[1]: json.loads(line) for line in out.read_text().splitlines()}
+    assert sorted(records) == sorted(s[1:] for s in IMAGE_SUFFIXES)
+    # the lossless files hold the same pixels as the PNG: the same cluster and code
+    png = records["png"]
+    for suffix in ("ppm", "pgm", "bmp", "tif", "tiff", "webp"):
+        assert (records[suffix]["cluster"], records[suffix]["code"]) == (png["cluster"], png["code"]), suffix
+        assert records[suffix]["margin"] == pytest.approx(png["margin"], abs=1e-5)
+
+
 def test_report_shows_every_plot_in_a_browser(run, tmp_path, screenshot):
     base, _, _ = run
     report_run = tmp_path / "run"

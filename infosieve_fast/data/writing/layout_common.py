@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's list
+from ..shard_format import IMAGE_SUFFIXES
 
 
 class LayoutError(ValueError):
@@ -59,7 +59,7 @@ def image_folder(directory: Path, classes: list[str]) -> tuple[list[str], list[i
             continue
         for dirpath, _, fnames in sorted(os.walk(target, followlinks=True)):
             for fname in sorted(fnames):
-                if fname.lower().endswith(IMG_EXTENSIONS):
+                if fname.lower().endswith(IMAGE_SUFFIXES):
                     paths.append(os.path.join(dirpath, fname))
                     labels.append(idx)
     return paths, labels

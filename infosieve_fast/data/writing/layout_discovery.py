@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from ...metrics import NO_LABEL
-from ..shard_format import DISCOVERY
-from .layout_common import IMG_EXTENSIONS, LayoutError, RawDataset, class_dirs, need, relative_paths
+from ..shard_format import DISCOVERY, IMAGE_SUFFIXES
+from .layout_common import LayoutError, RawDataset, class_dirs, need, relative_paths
 
 DISCOVERY_LAYOUT = (
     "labelled/<class>/<image> (the known classes, one folder each) and unlabelled/<image> (the pool to sort, any "
@@ -33,7 +33,7 @@ def _walk_images(directory: Path) -> tuple[list[str], list[str]]:
     images, others = [], []
     for dirpath, fnames in sorted(walked):
         for fname in sorted(fnames):
-            (images if fname.lower().endswith(IMG_EXTENSIONS) else others).append(os.path.join(dirpath, fname))
+            (images if fname.lower().endswith(IMAGE_SUFFIXES) else others).append(os.path.join(dirpath, fname))
     return images, others
 
 
@@ -63,7 +63,7 @@ def _labelled_images(labelled: Path, root: Path) -> tuple[list[str], list[str], 
     """(class names, image paths, their class ids, other files) of `labelled/<class>/...`; class id = position in
     the sorted folder names (ImageFolder's order)."""
     classes = class_dirs(labelled)
-    loose = [e.path for e in os.scandir(labelled) if e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS)]
+    loose = [e.path for e in os.scandir(labelled) if e.is_file() and e.name.lower().endswith(IMAGE_SUFFIXES)]
     if loose:
         raise LayoutError(
             f"{len(loose)} image(s) lie directly in {labelled} ({_few(sorted(loose), root)}), outside a "
@@ -83,7 +83,7 @@ def _labelled_images(labelled: Path, root: Path) -> tuple[list[str], list[str], 
         raise LayoutError(
             f"{len(empty)} of the {len(classes)} class folders under {labelled} hold no images "
             f"({', '.join(map(_shown, empty[:5]))}{', ...' if len(empty) > 5 else ''}): add images of those classes "
-            f"or remove the folders (images end in {', '.join(IMG_EXTENSIONS)})"
+            f"or remove the folders (images end in {', '.join(IMAGE_SUFFIXES)})"
         )
     return classes, paths, labels, others
 
@@ -98,7 +98,7 @@ def read_discovery(root: Path) -> RawDataset:
     pool, rest = _walk_images(unlabelled)
     if not pool:
         raise LayoutError(
-            f"{unlabelled} holds no images (files ending in {', '.join(IMG_EXTENSIONS)}): put the "
+            f"{unlabelled} holds no images (files ending in {', '.join(IMAGE_SUFFIXES)}): put the "
             "images to sort there (to train on labelled images alone, use --dataset imagefolder)"
         )
     others += rest
