@@ -14,9 +14,12 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks import smoke
 from benchmarks.harness import Stopwatch, cpu_report, finish_cpu_report
 from infosieve_fast import cli
+from infosieve_fast.run_reader import read_clustering
 
 CONFIG = "configs/demo.yaml"
 SMOKE_SETS = ("schedule.epochs=1", "train.train_subset=256", "kmeans.n_init=1")
@@ -34,7 +37,19 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"infosieve {' '.join(command)} failed (its error is above)")
     metrics = json.loads((Path(args.out) / "metrics.json").read_text())
     summary = {"config": CONFIG, "sets": args.set, "before": metrics["before"], "after": metrics["after"]}
-    return finish_cpu_report(report, summary | {"protocol": metrics["protocol"]}, started, args.json)
+    summary |= {"protocol": metrics["protocol"], "final_clusters_by_class": clusters_by_class(args.out)}
+    return finish_cpu_report(report, summary, started, args.json)
+
+
+def clusters_by_class(run: str) -> dict[str, list[int]]:
+    """Per digit, how many of its unlabelled train samples each cluster of the final clustering holds (the counts
+    behind the report's confusion matrix)."""
+    c = read_clustering(run)
+    n_clusters = int(max(c["preds"].max(), c["targets"].max())) + 1
+    return {
+        str(t): np.bincount(c["preds"][c["targets"] == t], minlength=n_clusters).tolist()
+        for t in np.unique(c["targets"])
+    }
 
 
 if __name__ == "__main__":
