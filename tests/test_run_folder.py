@@ -284,3 +284,25 @@ def test_make_shards_summary_counts_what_was_written(tmp_path, capsys):
     assert summary["skipped"] == 2 and (counts["train"], counts["test"]) == (25, 9)
     assert summary["labelled"] + summary["unlabelled"] == counts["written_train"] == 24
     assert summary["test"] == counts["written_test"] == 8
+
+
+def test_make_shards_refuses_a_split_with_no_known_class(tmp_path, capsys):
+    from PIL import Image
+
+    for i in range(4):
+        folder = tmp_path / "raw" / "cat"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((20, 20, 3), 40 * i, np.uint8)).save(folder / f"{i}.png")
+    argv = ["make-shards", "--dataset", "imagefolder", "--root", str(tmp_path / "raw"), "--resize", "16",
+            "--workers", "1", "--no-progress"]  # fmt: skip
+    # one class: its first half, the default known classes, is none; nothing is written
+    assert cli.main([*argv, "--out", str(tmp_path / "s1")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the first half of its 1 class(es), are none" in err
+    assert "pass --known-classes" in err and not (tmp_path / "s1").exists()
+    assert cli.main([*argv, "--out", str(tmp_path / "s2"), "--known-classes", "3-2"]) == 2  # an empty range
+    assert "--known-classes names none" in capsys.readouterr().err and not (tmp_path / "s2").exists()
+    # the fix the message names works: class 0 known, half of its 4 images labelled (the reference's 0.5)
+    assert cli.main([*argv, "--out", str(tmp_path / "s3"), "--known-classes", "0"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["n_old"], summary["labelled"], summary["unlabelled"]) == (1, 2, 2)

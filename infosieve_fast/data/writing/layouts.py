@@ -86,11 +86,7 @@ def read_dataset(dataset: str, root: str | Path, known_classes: list[int] | None
         )
     raw = _READERS[name](root)
     if name in GENERIC:
-        n = len(raw.class_names)
-        known = list(range(n // 2)) if known_classes is None else list(known_classes)
-        if known_classes is None:
-            raw.notes.append(f"known classes default to the first half of the classes: 0..{n // 2 - 1}")
-        raw.known, raw.novel = known, sorted(set(range(n)) - set(known))
+        _set_generic_known(raw, known_classes)
     elif known_classes is not None:
         raw.known = list(known_classes)
         raw.novel = sorted(set(range(len(raw.class_names))) - set(raw.known))
@@ -99,6 +95,26 @@ def read_dataset(dataset: str, root: str | Path, known_classes: list[int] | None
     if bad:
         raise LayoutError(f"known classes {bad} are outside 0..{len(raw.class_names) - 1}")
     return raw
+
+
+def _set_generic_known(raw: RawDataset, known_classes: list[int] | None) -> None:
+    """The known and novel classes of a generic layout: `known_classes`, by default the first half of the classes.
+    No known class is refused: GCD needs labelled images (training would fail on its first epoch)."""
+    n = len(raw.class_names)
+    known = list(range(n // 2)) if known_classes is None else list(known_classes)
+    if not known:
+        given = (
+            "--known-classes names none"
+            if known_classes is not None
+            else f"the default known classes, the first half of its {n} class(es), are none"
+        )
+        raise LayoutError(
+            f"--dataset {raw.dataset} --root {raw.root}: {given}, and training needs at least one known (labelled) "
+            "class: add class folders, or pass --known-classes with the known class ids (e.g. --known-classes 0)"
+        )
+    if known_classes is None:
+        raw.notes.append(f"known classes default to the first half of the classes: 0..{n // 2 - 1}")
+    raw.known, raw.novel = known, sorted(set(range(n)) - set(known))
 
 
 def _folder_dataset(
