@@ -398,8 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "depth", 0) < 0:  # tree's and report's, checked before the run is read
+            raise UsageError(f"--depth {args.depth}: the deepest code prefix shown must be 0 or more, e.g. --depth 4")
         return args.func(args)
     except (config_mod.ConfigError, FileNotFoundError, FileExistsError, ValueError, DiskWriteError) as err:
+        if getattr(args, "run", None) and not isinstance(err, UsageError):  # what a --run that is not there lacks
+            from .run_reader import run_folder_problem
+
+            err = run_folder_problem(args.run) or err
         print(f"error: {err}", file=sys.stderr)
         return 2
 

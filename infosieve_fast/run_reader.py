@@ -24,6 +24,19 @@ BEST_CHECKPOINT, BEST = "checkpoint-best.pt", "best.json"
 CHECKPOINTS = ("last", "best")
 
 
+def run_folder_problem(run_dir: str | Path) -> str | None:
+    """What is wrong with `--run RUN_DIR` when it names no folder (then a file missing in it is not the problem to
+    report), else None."""
+    path = Path(run_dir)
+    if path.is_dir():
+        return None
+    problem = "a file, not a folder" if path.exists() else "no such folder"
+    return (
+        f"--run {run_dir}: {problem}; pass the run folder an `infosieve train` run wrote (it printed "
+        "`run folder: ...`; by default runs/<config>-<timestamp>)"
+    )
+
+
 def read_best(run_dir: str | Path) -> dict | None:
     """RUN/best.json, None when the run keeps no best checkpoint (yet)."""
     path = Path(run_dir) / BEST

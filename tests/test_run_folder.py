@@ -306,3 +306,22 @@ def test_make_shards_refuses_a_split_with_no_known_class(tmp_path, capsys):
     assert cli.main([*argv, "--out", str(tmp_path / "s3"), "--known-classes", "0"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (summary["n_old"], summary["labelled"], summary["unlabelled"]) == (1, 2, 2)
+
+
+def test_a_run_folder_that_is_not_there_and_a_negative_depth_are_named_first(tmp_path, capsys):
+    nope, a_file, empty = tmp_path / "nope", tmp_path / "a.txt", tmp_path / "empty"
+    a_file.write_text("x")
+    empty.mkdir()
+    extra = {"predict": ["--images", str(tmp_path), "--out", str(tmp_path / "p.jsonl")], "name": ["novel-3=jay"],
+             "export": ["--out", str(tmp_path / "e")]}  # fmt: skip
+    for command in ("eval", "tree", "predict", "report", "name", "export", "estimate-k"):
+        for run, problem in ((nope, "no such folder"), (a_file, "a file, not a folder")):
+            assert cli.main([command, "--run", str(run), *extra.get(command, [])]) == 2, command
+            err = capsys.readouterr().err
+            assert err.startswith(f"error: --run {run}: {problem}; pass the run folder") and err.count("\n") == 1
+    for command in ("tree", "report"):  # checked before the run is read: the empty folder's problem comes later
+        assert cli.main([command, "--run", str(empty), "--depth", "-1"]) == 2
+        assert capsys.readouterr().err == "error: --depth -1: the deepest code prefix shown must be 0 or more, " \
+            "e.g. --depth 4\n"  # fmt: skip
+    assert cli.main(["eval", "--run", str(empty)]) == 2
+    assert f"no checkpoint.pt in {empty}" in capsys.readouterr().err
