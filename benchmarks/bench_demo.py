@@ -1,7 +1,8 @@
-"""The demo's result, measured: `infosieve train --config configs/demo.yaml` as the README runs it, and its All/Old/New
-before and after training, with the commit and the torch version that produced them (CPU arithmetic differs between
-torch releases, so the same code may end elsewhere on another torch). The run prints as it trains, then the
-result is printed as one JSON object.
+"""The demo's result, measured: `infosieve train --config configs/demo.yaml` as the README runs it (or another digits
+config, `--config configs/demo-tree.yaml`), its All/Old/New before and after training, the final clustering's clusters
+per digit and what the codes hold (`infosieve tree`'s measures), with the commit and the torch version that produced
+them (CPU arithmetic differs between torch releases, so the same code may end elsewhere on another torch). The run
+prints as it trains, then the result is printed as one JSON object.
 
     python -m benchmarks.bench_demo --out /tmp/demo_now --json benchmarks/results/demo_cpu.json
 
@@ -19,25 +20,26 @@ import numpy as np
 from benchmarks import smoke
 from benchmarks.harness import Stopwatch, cpu_report, finish_cpu_report
 from infosieve_fast import cli
-from infosieve_fast.run_reader import read_clustering
+from infosieve_fast.run_reader import code_tree, read_clustering
 
-CONFIG = "configs/demo.yaml"
 SMOKE_SETS = ("schedule.epochs=1", "train.train_subset=256", "kmeans.n_init=1")
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/demo.yaml", help="a digits config (default configs/demo.yaml)")
     p.add_argument("--out", required=True, help="the demo's run folder (a new one)")
     p.add_argument("--json", help="also write the result here")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting changed from the demo's")
     args = smoke.shrink(p.parse_args(argv), SMOKE_SETS)
     report, started = cpu_report("bench_demo", argv), Stopwatch()
-    command = ["train", "--config", CONFIG, "--out", args.out, *[a for s in args.set for a in ("--set", s)]]
+    command = ["train", "--config", args.config, "--out", args.out, *[a for s in args.set for a in ("--set", s)]]
     if cli.main(command) != 0:
         raise SystemExit(f"infosieve {' '.join(command)} failed (its error is above)")
     metrics = json.loads((Path(args.out) / "metrics.json").read_text())
-    summary = {"config": CONFIG, "sets": args.set, "before": metrics["before"], "after": metrics["after"]}
+    summary = {"config": args.config, "sets": args.set, "before": metrics["before"], "after": metrics["after"]}
     summary |= {"protocol": metrics["protocol"], "final_clusters_by_class": clusters_by_class(args.out)}
+    summary["code_measures"] = code_tree(args.out, max_depth=1)["measures"]
     return finish_cpu_report(report, summary, started, args.json)
 
 
