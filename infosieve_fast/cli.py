@@ -195,13 +195,22 @@ def _export(args: argparse.Namespace) -> int:
 def _estimate_k(args: argparse.Namespace) -> int:
     import json
 
-    from .estimate_k import describe_choice, estimate_k, load_features
+    from .estimate_k import describe_choice, estimate_k, load_features, no_new_cluster_warning
 
     if bool(args.run) == bool(args.features):
         raise UsageError("estimate-k needs exactly one of --run RUN_DIR or --features FILE.npz")
+    if args.run and args.known_classes is not None:
+        raise UsageError("--known-classes goes with --features; a run knows its known classes: drop --known-classes")
     if args.features:
         if args.known_classes is None:
             raise UsageError("--features needs --known-classes C (classes 0..C-1 are known, half of them labelled)")
+        if not Path(args.features).is_file():
+            raise UsageError(f"--features {args.features}: no such file; pass an .npz with F [N, D] and y [N]")
+        if args.known_classes < 2:
+            raise UsageError(
+                f"--known-classes {args.known_classes}: estimating K needs at least 2 known classes (with one, K = 1 "
+                "always scores best): pass --known-classes 2 or more"
+            )
         feats, targets, labelled = load_features(args.features, args.known_classes)
         n_old = args.known_classes
     else:
@@ -221,6 +230,9 @@ def _estimate_k(args: argparse.Namespace) -> int:
         progress=lambda msg: print(msg, file=sys.stderr),
     )
     print(f"K = {result['k']}: {describe_choice(result)}", file=sys.stderr)
+    warning = no_new_cluster_warning(result)
+    if warning:
+        print(f"WARNING: {warning}", file=sys.stderr)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

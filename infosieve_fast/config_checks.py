@@ -145,6 +145,8 @@ def check_rules(cfg: Config) -> None:
     k = cfg.kmeans.n_clusters
     if k is not None and k != "auto" and not (isinstance(k, int) and k >= 2):
         raise ConfigError(f"kmeans.n_clusters must be null, an integer >= 2 or auto, got {k!r}")
+    if cfg.data.source == "digits":
+        check_clusters_for_known(k, cfg.data.digits.known_classes)
     km = cfg.kmeans
     if km.cluster_size is not None and not (km.balanced or km.eval_balanced):
         raise ConfigError(
@@ -169,6 +171,22 @@ def check_rules(cfg: Config) -> None:
             import tensorboard  # noqa: F401
         except ImportError:
             raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+
+
+def check_clusters_for_known(n_clusters: int | str | None, n_old: int) -> None:
+    """kmeans.n_clusters against the data's `n_old` known classes, before any work: every known class needs its own
+    cluster, and "auto" needs two known classes (with one, K = 1 clusters all the labelled points together and
+    always scores best, so the estimate would always be 1)."""
+    if n_clusters == "auto" and n_old < 2:
+        raise ConfigError(
+            f"kmeans.n_clusters=auto needs at least 2 known classes to estimate K, and this data has {n_old}: set "
+            "kmeans.n_clusters to the number of categories you expect (--set kmeans.n_clusters=N)"
+        )
+    if isinstance(n_clusters, int) and n_clusters < n_old:
+        raise ConfigError(
+            f"kmeans.n_clusters={n_clusters} is fewer than the data's {n_old} known classes, each of which needs its "
+            f"own cluster: set kmeans.n_clusters >= {n_old} (above it to leave clusters for new categories), or auto"
+        )
 
 
 def _check_pins(pins: dict | None) -> None:

@@ -19,7 +19,11 @@ one height, of which Brent's search climbs whichever its first steps find. So:
   width where that is over 3 K: every 5th K for 50 known classes);
 - every K whose smoothed score lies within `BAND` (2) pooled standard errors of the best smoothed score is plausible
   (`k_range`: the smallest and largest), and the answer is the lower quartile of the plausible K (the one a quarter
-  of the way up their sorted list).
+  of the way up their sorted list);
+- where that lower quartile is the number of known classes itself, which leaves no cluster for a new category, and a
+  larger K is plausible too, the answer is the smallest plausible K above the known classes: the unlabelled points
+  are where new categories are looked for, and the score cannot tell those K apart. Where no larger K is plausible,
+  the answer stays the known classes' number and `no_new_cluster_warning` says so.
 
 Why. On resamples of the same species the unsmoothed score's best K and the smallest K within one standard error of
 it moved by up to 15 classes: the score is flat near its peak, and its change between resamples is larger than the
@@ -33,8 +37,9 @@ measurement on species held out from this choice, with its command, is in docs/k
 wide (about 17 to 40 for 20 species): it is the K the score cannot tell apart, not a confidence interval.
 
 A second criterion is reported beside the first: the silhouette of the unlabelled points under the semi-supervised
-k-means with K clusters, for the grid's K and the answer. It is computed on at most 4,000 points with a fixed seed.
-It is not used to choose K.
+k-means with K clusters, for the grid's K and the answer. It is computed on at most 4,000 points with a fixed seed,
+for the K below that number of points only (the silhouette needs fewer clusters than points). It is not used to
+choose K.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ def unlabelled_silhouette(
     )
     pred = res.labels.cpu().numpy()[int(labelled.sum()) :]
     if len(np.unique(pred)) < 2:
-        return -1.0
+        return -1.0  # one cluster: no second cluster to be nearer to
     x = feats[~lab].float().cpu().numpy()
     size = min(SILHOUETTE_SAMPLE, len(x))
     return float(silhouette_score(x, pred, sample_size=size, random_state=seed))
@@ -144,7 +149,7 @@ def estimate_k(
         score(k)
     width = bandwidth * n_old
     found = choose_k(scores, errors, score, n_old, k_max, width)
-    shown = sorted({*grid, found["k"]}) if silhouette else []
+    shown = silhouette_ks(sorted({*grid, found["k"]}) if silhouette else [], int((~lab).sum()), progress)
     silhouettes = {k: unlabelled_silhouette(x, y, lab, k, max_iter=max_iter, seed=seed) for k in shown}
     return {
         "k": found["k"],
@@ -160,12 +165,23 @@ def estimate_k(
             "smoothing_width": round(width, 6),
         },
         "k_range": found["k_range"],
+        "k_lower_quartile": found["k_lower_quartile"],
         "k_by_argmax": found["k_by_argmax"],
         "pooled_standard_error": round(found["noise"], 6),
         "criteria": criteria_curves(scores, errors, found["curve"], silhouettes),
         "k_by_silhouette": max(silhouettes, key=lambda k: silhouettes[k]) if silhouettes else None,
         "seconds": round(time.perf_counter() - start, 2),
     }
+
+
+def silhouette_ks(ks: list[int], n_unlabelled: int, progress: Callable[[str], None] | None) -> list[int]:
+    """The K of `ks` whose silhouette can be computed: fewer than the unlabelled points it is computed on (at most
+    `SILHOUETTE_SAMPLE`); the K left out are said through `progress`."""
+    points = min(SILHOUETTE_SAMPLE, n_unlabelled)
+    kept = [k for k in ks if k < points]
+    if len(kept) < len(ks) and progress is not None:
+        progress(f"silhouette skipped for K >= {points}: it needs fewer clusters than the {points} unlabelled points")
+    return kept
 
 
 def criteria_curves(scores: dict, errors: dict, smoothed: dict, silhouettes: dict) -> dict:
@@ -181,9 +197,29 @@ def criteria_curves(scores: dict, errors: dict, smoothed: dict, silhouettes: dic
 def describe_choice(result: dict) -> str:
     """The answer's line for the terminal: the plausible range, the best smoothed score's K and the rule."""
     low, high = result["k_range"]
+    quartile, known = result["k_lower_quartile"], result["search"]["k_min"]
+    rule = "the lower quartile is chosen"
+    if result["k"] != quartile:
+        rule = (
+            f"the lower quartile, K = {quartile}, would leave no cluster for new categories, so the smallest "
+            f"plausible K above the {known} known classes is chosen"
+        )
     return (
         f"plausible K {low}-{high}, within {BAND:g} pooled standard errors of the best smoothed score (K = "
-        f"{result['k_by_argmax']}); the lower quartile is chosen"
+        f"{result['k_by_argmax']}); {rule}"
+    )
+
+
+def no_new_cluster_warning(result: dict) -> str | None:
+    """A warning when the answer is the number of known classes, which leaves no cluster for new categories (no
+    larger K is plausible); None otherwise."""
+    known = result["search"]["k_min"]
+    if result["k"] > known:
+        return None
+    return (
+        f"K = {known} is the number of known classes, so no cluster is left for new categories (no larger K scores "
+        f"as well): if the unlabelled images hold new categories, set kmeans.n_clusters to the number you expect, "
+        f"above {known}"
     )
 
 
@@ -197,8 +233,16 @@ def checked_inputs(feats, targets, labelled, n_old: int, k_max: int | None, devi
         raise ValueError(f"features, targets and labelled differ in length: {len(x)}, {len(y)}, {len(lab)}")
     if not lab.any() or lab.all():
         raise ValueError("estimate-k needs labelled and unlabelled points: check the labelled mask")
-    if n_old < 1:
-        raise ValueError(f"n_old (the number of known classes) must be >= 1, got {n_old}")
+    if n_old < 2:
+        raise ValueError(
+            f"estimating K needs at least 2 known classes, got {n_old}: with one, K = 1 puts every labelled point in "
+            "one cluster and always scores best; give K as a number instead"
+        )
+    if k_max is None and len(x) // 2 <= n_old:
+        raise ValueError(
+            f"{len(x)} points are too few to estimate K: the search goes up to half the points, {len(x) // 2}, which "
+            f"is not above the {n_old} known classes; add images, or give K as a number"
+        )
     k_max = min(4 * n_old, len(x) // 2) if k_max is None else k_max
     if k_max <= n_old:
         raise ValueError(f"k_max={k_max} must exceed the {n_old} known classes: pass a larger --k-max")
@@ -248,7 +292,8 @@ def choose_k(
     above the largest (`score(k)` fills `scores` and `errors`), again while the plausible range grows, then answers
     with the lower quartile of the plausible K (index (n - 1) // 4 of the n sorted). The step is a third of the
     smoothing's width, at least 1 (K = k_min, k_min + step, ...): a smooth curve needs no more. Returns `k`,
-    `k_range`, `k_by_argmax` (of the smoothed curve), the smoothed `curve` and the pooled standard error `noise`."""
+    `k_range`, `k_by_argmax` (of the smoothed curve), the smoothed `curve` and the pooled standard error `noise`;
+    `k_lower_quartile`, the rule's answer before it is raised above `k_min` (module docstring)."""
     step = max(1, int(width // 3))
     while True:
         curve, noise = smoothed(scores, width), pooled_error(errors)
@@ -259,8 +304,11 @@ def choose_k(
             break
         for k in todo:
             score(k)
+    quartile = plausible[(len(plausible) - 1) // 4]
+    above_known = [k for k in plausible if k > k_min]
     return {
-        "k": plausible[(len(plausible) - 1) // 4],
+        "k": above_known[0] if quartile == k_min and above_known else quartile,
+        "k_lower_quartile": quartile,
         "k_range": [plausible[0], plausible[-1]],
         "k_by_argmax": max(curve, key=lambda k: (curve[k], -k)),
         "curve": curve,

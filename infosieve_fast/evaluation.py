@@ -211,7 +211,7 @@ class Evaluator:
 
     def _estimate_k(self, fs: FeatureSet) -> int:
         """`kmeans.n_clusters=auto`: GCD's estimate of K from `fs` (all ranks' shares), said on the terminal."""
-        from .estimate_k import describe_choice, estimate_k
+        from .estimate_k import describe_choice, estimate_k, no_new_cluster_warning
 
         feats, targets, labelled = (dist.all_gather_cat(t)[0].cpu() for t in (fs.feats, fs.targets, fs.labelled))
         main = dist.is_main_process()
@@ -222,6 +222,9 @@ class Evaluator:
             known = f"{n} classes" if n is not None else f"{self.source.n_old} known classes and a pool"
             said = describe_choice(found)
             print(f"kmeans.n_clusters=auto: estimated K = {found['k']} (the dataset has {known}); {said}")
+            warning = no_new_cluster_warning(found)
+            if warning:
+                print(f"kmeans.n_clusters=auto: WARNING: {warning}")
         return found["k"]
 
     def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Clustering:

@@ -11,6 +11,7 @@ import torch
 
 from . import distributed as dist
 from .config import Config, ConfigError
+from .config_checks import check_clusters_for_known
 from .data.reading.base import GCDSource
 from .model import Backbone, InfoSieve
 from .notices import notice
@@ -126,6 +127,7 @@ def check_source_fits(cfg: Config, source: GCDSource) -> None:
             "kmeans.n_clusters is null (K = the dataset's number of classes), but this data has an unlabelled pool, so "
             "nobody knows that number: set kmeans.n_clusters=auto to estimate K, or to the number you expect"
         )
+    check_clusters_for_known(km.n_clusters, source.n_old)
     if km.cluster_size is not None and km.n_clusters != "auto":
         k = km.n_clusters or source.n_classes
         if km.cluster_size * k < source.n_train:

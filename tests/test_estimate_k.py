@@ -1,5 +1,6 @@
 """estimate-k: the search recovers K on separated blobs and on real CUB-100 features; its choice rule and smoothing
-on hand-built score curves; the CLI and its errors."""
+on hand-built score curves, with the answer raised above the known classes or a warning where it would leave no
+cluster for new categories; a pool too small for the silhouette; the CLI and its errors."""
 
 import json
 import re
@@ -9,7 +10,17 @@ import pytest
 
 from infosieve_fast import cli
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.estimate_k import BANDWIDTH, SUBSAMPLE, choose_k, estimate_k, load_features, pooled_error, smoothed
+from infosieve_fast.estimate_k import (
+    BANDWIDTH,
+    SUBSAMPLE,
+    choose_k,
+    describe_choice,
+    estimate_k,
+    load_features,
+    no_new_cluster_warning,
+    pooled_error,
+    smoothed,
+)
 
 SAID = r"K=(\d+): labelled accuracy (0\.\d{4}|1\.0000) ± (0\.\d{4})"
 
@@ -144,3 +155,101 @@ def test_a_lone_high_k_does_not_decide_once_smoothed():
     low, high = found["k_range"]
     assert 25 - low == high - 25 > 0 and found["k"] == low + (high - low) // 4 and found["k_by_argmax"] == 25
     assert found["curve"][12] < found["curve"][25] - 0.01
+
+
+def _result(found: dict, k_min: int) -> dict:
+    """`found` (choose_k's answer) as estimate_k returns it, for describe_choice and no_new_cluster_warning."""
+    return {**found, "search": {"k_min": k_min}}
+
+
+def test_a_lower_quartile_at_the_known_classes_is_raised_to_the_smallest_plausible_k_above_them():
+    """3 known classes, every K of 3..12 scored by hand, no smoothing, standard error 0.01: 3 (0.90), 5 (0.885) and
+    6 (0.881) score within two errors of the best, 4 (0.87) does not. The lower quartile, index (3 - 1) // 4 = 0, is
+    K = 3, no cluster for a new category; the smallest plausible K above 3 is 5 (4 is not plausible)."""
+    table = {3: 0.90, 4: 0.87, 5: 0.885, 6: 0.881} | {k: 0.86 - 0.01 * k for k in range(7, 13)}
+    found = choose_k(dict(table), dict.fromkeys(table, 0.01), _never, 3, 12, 0.0)
+    assert (found["k"], found["k_lower_quartile"], found["k_range"], found["k_by_argmax"]) == (5, 3, [3, 6], 3)
+    assert describe_choice(_result(found, 3)) == (
+        "plausible K 3-6, within 2 pooled standard errors of the best smoothed score (K = 3); the lower quartile, "
+        "K = 3, would leave no cluster for new categories, so the smallest plausible K above the 3 known classes is "
+        "chosen"
+    )
+    assert no_new_cluster_warning(_result(found, 3)) is None
+    # the same curve searched from 2: the lower quartile of 3, 5, 6 is 3, above k_min, and is the answer unchanged
+    lower = choose_k(dict(table) | {2: 0.5}, dict.fromkeys([2, *table], 0.01), _never, 2, 12, 0.0)
+    assert (lower["k"], lower["k_lower_quartile"]) == (3, 3)
+    assert describe_choice(_result(lower, 2)).endswith("(K = 3); the lower quartile is chosen")
+
+
+def test_only_the_known_classes_plausible_keeps_k_and_warns():
+    """K = 4 scores 0.95, every larger K 0.90 or less (error 0.01, band 0.02): only the 4 known classes are plausible,
+    no larger K to raise the answer to, so it stays 4 and the warning says no cluster is left and how to set K."""
+    table = {4: 0.95} | {k: 0.90 - 0.02 * (k - 5) for k in range(5, 17)}
+    found = choose_k(dict(table), dict.fromkeys(table, 0.01), _never, 4, 16, 0.0)
+    assert (found["k"], found["k_lower_quartile"], found["k_range"]) == (4, 4, [4, 4])
+    assert describe_choice(_result(found, 4)).endswith("the lower quartile is chosen")
+    assert no_new_cluster_warning(_result(found, 4)) == (
+        "K = 4 is the number of known classes, so no cluster is left for new categories (no larger K scores as "
+        "well): if the unlabelled images hold new categories, set kmeans.n_clusters to the number you expect, above 4"
+    )
+
+
+def test_new_classes_that_look_like_known_ones_give_the_known_number_with_a_warning(tmp_path, capsys):
+    """Two blobs 10 spreads apart; classes 2 and 3 are drawn from the same blobs as the known 0 and 1. The features
+    hold 2 clusters, so K = 2 scores 1.0 and splitting a blob costs labelled accuracy: the answer is 2, and the
+    command warns that no cluster is left for new categories."""
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(4), 30)
+    np.savez(tmp_path / "f.npz", F=np.eye(2, 8)[y % 2] * 10 + rng.normal(size=(len(y), 8)), y=y)
+    assert cli.main(["estimate-k", "--features", str(tmp_path / "f.npz"), "--known-classes", "2"]) == 0
+    said = capsys.readouterr()
+    res = json.loads(said.out)
+    assert (res["k"], res["k_range"], res["k_lower_quartile"]) == (2, [2, 2], 2)
+    assert res["criteria"]["labelled_accuracy"]["2"] == 1.0 and max(res["criteria"]["labelled_accuracy"].values()) == 1
+    assert "\nWARNING: K = 2 is the number of known classes, so no cluster is left for new categories" in said.err
+
+
+def test_a_pool_smaller_than_k_skips_the_silhouette_with_a_note():
+    """3 known classes of 4 labelled points each and a pool of 4 (two new classes of 2): the search reaches K = 8
+    (half the 16 points), but the silhouette of 4 pool points needs fewer than 4 clusters, so only K = 3 has one;
+    the others are said to be skipped, and the answer follows the rule from its own curves."""
+    rng = np.random.default_rng(0)
+    y = np.array([0] * 4 + [1] * 4 + [2] * 4 + [3, 3, 4, 4])
+    said = []
+    res = estimate_k(np.eye(8)[y] * 8 + rng.normal(size=(16, 8)), y, np.arange(16) < 12, 3, progress=said.append)
+    assert res["search"]["k_max"] == 8 and list(res["criteria"]["unlabelled_silhouette"]) == ["3"]
+    assert res["k_by_silhouette"] == 3
+    assert "silhouette skipped for K >= 4: it needs fewer clusters than the 4 unlabelled points" in said
+    smooth = {int(k): v for k, v in res["criteria"]["labelled_accuracy_smoothed"].items()}
+    plausible = sorted(k for k, v in smooth.items() if v >= max(smooth.values()) - 2 * res["pooled_standard_error"])
+    quartile = plausible[(len(plausible) - 1) // 4]
+    assert res["k_lower_quartile"] == quartile
+    assert res["k"] == (min(k for k in plausible if k > 3) if quartile == 3 and plausible[-1] > 3 else quartile)
+
+
+def test_too_few_known_classes_or_points_are_refused():
+    x, y = _blobs(4, 10)
+    with pytest.raises(ValueError, match="estimating K needs at least 2 known classes, got 1: .* give K as a number"):
+        estimate_k(x, y, y < 1, 1)
+    with pytest.raises(ValueError, match=r"^6 points are too few to estimate K: .* half the points, 3, which is not "):
+        estimate_k(x[:6], np.arange(6) % 4, np.arange(6) < 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--features", "nope.npz", "--known-classes", "5"],
+         "error: --features nope.npz: no such file; pass an .npz with F [N, D] and y [N]\n"),
+        (["--run", "RUN", "--known-classes", "3"],
+         "error: --known-classes goes with --features; a run knows its known classes: drop --known-classes\n"),
+        (["--features", "f.npz", "--known-classes", "1"],
+         "error: --known-classes 1: estimating K needs at least 2 known classes (with one, K = 1 always scores best): "
+         "pass --known-classes 2 or more\n"),
+    ],
+)  # fmt: skip
+def test_the_command_line_names_the_bad_argument(argv, said, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    x, y = _blobs(4, 10)
+    np.savez(tmp_path / "f.npz", F=x, y=y)
+    assert cli.main(["estimate-k", *argv]) == 2
+    assert capsys.readouterr().err == said
