@@ -67,6 +67,11 @@ def compiled_modules(model: nn.Module) -> list[nn.Module]:
     return [*getattr(model.backbone.net, "blocks", []), model.projection]
 
 
+def compiles(setting: str, device: torch.device) -> bool:
+    """Whether `train.compile=setting` compiles anything on `device`: on CUDA unless off (the CPU stays eager)."""
+    return setting != "off" and device.type == "cuda"
+
+
 def check_compile_setting(setting: str, device: torch.device) -> None:
     """Refuse `train.compile=on` where it cannot run, before anything is built."""
     if setting == "on" and device.type != "cuda":
@@ -115,7 +120,7 @@ def compile_with_fallback(
     reported; under `on` the failure is raised."""
     check_compile_setting(setting, device)
     groups = by_class(modules)
-    if setting == "off" or device.type != "cuda":
+    if not compiles(setting, device):
         reason = "train.compile=off" if setting == "off" else CPU_REASON
         return CompileOutcome(False, reason, 0.0, dict.fromkeys(groups, reason))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

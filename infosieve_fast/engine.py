@@ -20,7 +20,14 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import distributed as dist
-from .compiling import CompileOutcome, check_compile_setting, compile_with_fallback, compiled_modules, trace_graphs
+from .compiling import (
+    CompileOutcome,
+    check_compile_setting,
+    compile_with_fallback,
+    compiled_modules,
+    compiles,
+    trace_graphs,
+)
 from .config import Config
 from .data import InMemoryGCD, build_source
 from .data.reading.augment import AugmentConfig, DeviceAugment
@@ -193,7 +200,8 @@ class Trainer:
         fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
         check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
         features_done = time.perf_counter()  # the checks above read the device: the feature pass has finished
-        status.set_description_str(f"{name}: SS-k-means pseudo-labels")
+        status.close()  # each phase its own line, so each line's timer shows that phase's time
+        status = status_line(f"{name}: SS-k-means pseudo-labels")
         clustering = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
         self.centers = clustering.centers.cpu()
         kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
@@ -237,11 +245,14 @@ class Trainer:
         this call paid: 0 once done)."""
         paid = 0.0
         if self.compiled is None:
-            status = status_line(f"train.compile={self.cfg.train.compile}: compiling")
+            setting = self.cfg.train.compile
+            # the line only where something compiles: on the CPU `auto` stays eager
+            status = status_line(f"train.compile={setting}: compiling") if compiles(setting, self.device) else None
             self.compiled = compile_with_fallback(
-                compiled_modules(self.model), self.cfg.train.compile, self.device, self._trace_graphs
+                compiled_modules(self.model), setting, self.device, self._trace_graphs
             )
-            status.close()
+            if status is not None:
+                status.close()
             paid = self.compiled.seconds
         return {"compile": self.compiled.path, "compile_graphs": self.compiled.graphs, "seconds_compile": paid}
 
