@@ -248,7 +248,7 @@ def detail_table(setting: dict, entries: list[Entry], environment: dict[str, str
         env = sorted({environment[str(r.path)] for r in e.runs}) or ["—"]
         rows.append(
             [e.label, seeds_cell(e)]
-            + [format_spread(s["codes"].get(k), digits, with_range=False) for k, _, digits in CODE_COLUMNS]
+            + [code_cell(e, k, digits) for k, _, digits in CODE_COLUMNS]
             + [
                 format_spread(s["seconds_per_epoch"], 1, with_range=False),
                 memory,
@@ -260,7 +260,23 @@ def detail_table(setting: dict, entries: list[Entry], environment: dict[str, str
         "The codes: SS-k-means on the binary codes and the code prefixes at depth 8 (RUN/tree.json). "
         "s/epoch: log.jsonl's mean seconds per epoch; peak memory: the largest epoch's."
     ]
+    notes += [tree_note(r) for e in entries for r in e.runs if r.codes_note]
     return Table(f"{setting['label']}: codes, time, memory", notes, header, rows)
+
+
+def code_cell(e: Entry, key: str, digits: int) -> str:
+    """The code measure `key` over the entry's runs whose tree.json is of their checkpoint; "stale" when every one
+    with a tree.json has a stale one."""
+    value = e.stats["codes"].get(key)
+    if value is None and any(r.codes is None and r.codes_note for r in e.runs):
+        return "stale (see the note)"
+    return format_spread(value, digits, with_range=False)
+
+
+def tree_note(run: RunResult) -> str:
+    """Why a run's tree.json numbers are left out of the code columns (stale), or shown with an unknown age."""
+    shown = "left out of the code columns" if run.codes is None else "in the code columns, of unknown age"
+    return f"{run.name}: {shown}: {run.codes_note}"
 
 
 def settings_of(entries: list[Entry]) -> list[tuple[dict, list[Entry]]]:

@@ -14,8 +14,10 @@ instead: the held-out accuracy and the clusters with their names, sizes and marg
 of every cluster, novel ones first, with each novel cluster's place in the category tree (`gallery.py`; its
 thumbnails are JPEG files under RUN/report/thumbs/, so that page is not self-contained).
 
-The final clustering and the tree come from `RUN/clustering.npz` and `RUN/tree.json` when present. Otherwise they
-are computed from the checkpoint (the tree of a run with an unlabelled pool: by the gallery's pass).
+The final clustering and the tree come from `RUN/clustering.npz` and `RUN/tree.json` when present (the tree only
+while it is of the run's checkpoint: a run trained on after `infosieve tree` gets a note saying how to refresh it, not
+the old tree drawn as current). Otherwise they are computed from the checkpoint (the tree of a run with an unlabelled
+pool: by the gallery's pass). The notes that ask the user to act are printed on the console as well.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from .checkpoint import read_log
 from .discovery import run_pool_section, unscored_notes, unscored_parts
 from .metrics import NO_LABEL
 from .run_reader import describe_run, read_clustering
+from .run_results import saved_tree
 
 TREE_DEPTH = 4
+TICKS_THAT_FIT = 40  # rows or columns of the confusion matrix that each get a labelled tick
 
 
 def pyplot():
@@ -110,8 +114,20 @@ def plot_accuracy(log: list[dict], metrics: dict | None, path: Path, unscored=()
     plt.close(fig)
 
 
-def plot_confusion(targets: np.ndarray, preds: np.ndarray, n_old: int, path: Path) -> None:
-    """Rows: true classes (known first); columns: clusters in the Hungarian-matched order."""
+def plot_confusion(
+    targets: np.ndarray, preds: np.ndarray, n_old: int, path: Path, class_names: list[str] | None = None
+) -> None:
+    """`confusion_figure` as a PNG at `path`."""
+    fig = confusion_figure(targets, preds, n_old, class_names)
+    fig.savefig(path, dpi=90)
+    pyplot().close(fig)
+
+
+def confusion_figure(targets: np.ndarray, preds: np.ndarray, n_old: int, class_names: list[str] | None = None):
+    """Rows: true classes (known first, by name where `class_names` are given and fit); columns: clusters in the
+    Hungarian-matched order, by cluster number where they fit. The line between known and novel classes is drawn
+    only when there are both."""
+    from matplotlib.ticker import MaxNLocator
     from scipy.optimize import linear_sum_assignment
 
     plt = pyplot()
@@ -121,17 +137,29 @@ def plot_confusion(targets: np.ndarray, preds: np.ndarray, n_old: int, path: Pat
     rows, cols = linear_sum_assignment(-counts)
     order = list(cols[np.argsort(rows)]) + [c for c in range(n_clu) if c not in set(cols)]
     fig, ax = plt.subplots(figsize=(6, 5.5))
-    im = ax.imshow(counts[:, order] / np.maximum(counts.sum(1, keepdims=True), 1), cmap="viridis", vmin=0, vmax=1)
-    ax.axhline(n_old - 0.5, color="w", lw=1)
+    share = counts[:, order] / np.maximum(counts.sum(1, keepdims=True), 1)
+    im = ax.imshow(share, cmap="viridis", vmin=0, vmax=1, aspect="auto")  # auto: cells fill the room the names leave
+    ylabel = "true class"
+    if 0 < n_old < n_cls:
+        ax.axhline(n_old - 0.5, color="w", lw=1)
+        ylabel += " (known above the line)"
+    if n_cls <= TICKS_THAT_FIT:
+        names = class_names[:n_cls] if class_names is not None and len(class_names) >= n_cls else range(n_cls)
+        ax.set_yticks(range(n_cls), [str(name)[:16].replace("$", r"\$") for name in names], fontsize=7)
+    else:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if n_clu <= TICKS_THAT_FIT:
+        ax.set_xticks(range(n_clu), [str(c) for c in order], fontsize=7, rotation=90 if n_clu > 12 else 0)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle("final clustering of the unlabelled samples (row-normalised)")  # centred on the figure, not the axes
     ax.set(
-        title="final clustering of the unlabelled samples (row-normalised)",
-        xlabel="cluster (matched order)",
-        ylabel="true class (known above the line)",
+        xlabel="cluster (matched order)" if n_clu <= TICKS_THAT_FIT else "position in the matched order of clusters",
+        ylabel=ylabel,
     )
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig
 
 
 def _layout(tree: dict, depth: int) -> tuple[list[tuple[dict, float, int]], list[tuple[float, float, float, float]]]:
@@ -229,9 +257,11 @@ def write_report(
     """Write `RUN/report.html` and `RUN/report/*.png`; returns the HTML's path.
 
     `clustering`: {"targets", "preds", "n_old"} of the unlabelled train samples; `tree`: `tree.build_tree`'s output.
-    Missing ones are read from the run folder (`clustering.npz`, `tree.json`) or left out of the page with a note.
-    `checkpoint="best"`: the clustering, the tree and an All/Old/New row are computed from RUN/checkpoint-best.pt
-    (`best_checkpoint_view`); the page names the checkpoint it shows either way."""
+    Missing ones are read from the run folder (`clustering.npz`, `tree.json` while it is of the run's checkpoint:
+    `run_results.saved_tree`) or left out of the page with a note. `checkpoint="best"`: the clustering, the tree and
+    an All/Old/New row are computed from RUN/checkpoint-best.pt (`best_checkpoint_view`); the page names the
+    checkpoint it shows either way. The notes that ask the user to act (run `infosieve tree`, let the run finish, fix
+    the gallery's images) are printed too, one line each."""
     run = Path(run_dir)
     log_path = run / "log.jsonl"
     if not log_path.is_file():
@@ -240,17 +270,19 @@ def write_report(
     metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").is_file() else None
     if clustering is None:
         clustering = read_clustering(run)
-    if tree is None and (run / "tree.json").is_file():
-        tree = json.loads((run / "tree.json").read_text())
-    read, read_metrics = describe_run(run, "last"), None
+    read, read_metrics, tree_note = describe_run(run, "last"), None, None
     if checkpoint == "best":
         read, read_metrics, clustering, tree = best_checkpoint_view(run, depth)
+    elif tree is None:
+        tree, tree_note = saved_tree(run)
     out = run / "report"
     out.mkdir(exist_ok=True)
-    gallery, gallery_tree = discovery_gallery(run, clustering, checkpoint, depth)
+    gallery, gallery_tree, gallery_note = discovery_gallery(run, clustering, checkpoint, depth)
     tree = tree if tree is not None else gallery_tree
     unscored = unscored_parts(clustering["targets"], int(clustering["n_old"])) if clustering is not None else {}
-    figures, notes = report_figures(log, metrics, clustering, tree, unscored, depth)
+    names = run_class_names(run, checkpoint)
+    figures = report_figures(log, metrics, clustering, tree, unscored, depth, names)
+    to_act = [n for n in (gallery_note, *act_notes(run, clustering, tree, tree_note)) if n]
     body = []
     for name, caption, draw in figures:
         draw(out / name)
@@ -258,38 +290,71 @@ def write_report(
     table = metrics_table(metrics, unscored) if metrics is not None else ""
     if clustering is not None and (np.asarray(clustering["targets"]) == NO_LABEL).any():
         table += run_pool_section(run, clustering, checkpoint) + gallery
-    notes_html = "".join(f"<p><em>{html.escape(n)}</em></p>" for n in notes)
+    notes_html = "".join(f"<p><em>{html.escape(n)}</em></p>" for n in [*unscored_notes(unscored), *to_act])
     head = f"<h1>{html.escape(str(run))}</h1>{checkpoint_html(read, read_metrics)}"
     page = html_page("infosieve report", f"{head}{table}{notes_html}{''.join(body)}")
     path = run / "report.html"
     path.write_text(page)
+    for note in to_act:
+        print(f"note: {note}")
     return path
 
 
-def discovery_gallery(run: Path, clustering: dict | None, checkpoint: str, depth: int) -> tuple[str, dict | None]:
-    """The cluster gallery of a run with an unlabelled pool (gallery.py) and the tree of the same pass's codes;
-    ("", None) for other runs, and a note in place of the gallery where the run's images or shards cannot be read."""
+def run_class_names(run: Path, checkpoint: str) -> list[str] | None:
+    """The class names in target order, as the run's checkpoint stores them (read memory-mapped); None without one."""
+    from .checkpoint import load_checkpoint
+    from .run_reader import checkpoint_name
+
+    name = checkpoint_name(checkpoint)
+    if not (run / name).is_file():
+        return None
+    names = load_checkpoint(run, name=name, mmap=True).get("class_names")
+    return None if names is None else list(names)
+
+
+def act_notes(run: Path, clustering: dict | None, tree: dict | None, tree_note: str | None) -> list[str]:
+    """The page's notes on what it cannot show as current, each saying what to do about it."""
+    notes = [] if clustering is not None else ["no final clustering recorded (the run has not finished)"]
+    if tree is None and tree_note is not None:  # a stale tree.json, not drawn
+        notes.append(f"the category tree is not drawn: {tree_note}")
+    elif tree_note is not None:  # drawn: a tree.json of unknown age, or the gallery's tree in place of a stale one
+        notes.append(tree_note)
+    elif tree is None:
+        notes.append(f"no tree.json: run `infosieve tree --run {run}` first")
+    return notes
+
+
+def discovery_gallery(
+    run: Path, clustering: dict | None, checkpoint: str, depth: int
+) -> tuple[str, dict | None, str | None]:
+    """The cluster gallery of a run with an unlabelled pool (gallery.py), the tree of the same pass's codes and a
+    note: ("", None, None) for other runs, and ("", None, why) where the run's images or shards cannot be read."""
     if clustering is None or not (np.asarray(clustering["targets"]) == NO_LABEL).any():
-        return "", None
+        return "", None, None
     from .gallery import run_gallery
 
     try:
-        return run_gallery(run, clustering, checkpoint, depth)
+        return *run_gallery(run, clustering, checkpoint, depth), None
     except (FileNotFoundError, ValueError) as err:
-        return f"<p><em>{html.escape(f'no cluster gallery: {err}')}</em></p>", None
+        return "", None, f"no cluster gallery: {err}"
 
 
 def report_figures(
-    log: list[dict], metrics: dict | None, clustering: dict | None, tree: dict | None, unscored: dict, depth: int
-) -> tuple[list[tuple], list[str]]:
-    """The page's figures, (file name, caption, draw(path)), and notes on the ones it cannot show."""
+    log: list[dict],
+    metrics: dict | None,
+    clustering: dict | None,
+    tree: dict | None,
+    unscored: dict,
+    depth: int,
+    class_names: list[str] | None,
+) -> list[tuple]:
+    """The page's figures, (file name, caption, draw(path)); `act_notes` says why one is missing."""
     figures = [
         ("losses.png", "every loss term per epoch", lambda p: plot_losses(log, p)),
         ("schedules.png", "lr, age and base schedules; k-means inertia", lambda p: plot_schedules(log, p)),
     ]
     if len(unscored) < 3:
         figures.append(("accuracy.png", "All / Old / New", lambda p: plot_accuracy(log, metrics, p, unscored)))
-    notes = unscored_notes(unscored)
     if clustering is not None and "all" not in unscored:
         labelled = np.asarray(clustering["targets"]) != NO_LABEL  # the confusion matrix's rows are true classes
         figures.append(
@@ -301,16 +366,13 @@ def report_figures(
                     np.asarray(clustering["preds"])[labelled],
                     int(clustering["n_old"]),
                     p,
+                    class_names,
                 ),
             )
         )
-    elif clustering is None:
-        notes.append("no final clustering recorded (the run has not finished)")
     if tree is not None:
         figures.append(("tree.png", f"implicit category tree to depth {depth}", lambda p: plot_tree(tree, p, depth)))
-    else:
-        notes.append("no tree.json: run `infosieve tree --run RUN` first")
-    return figures, notes
+    return figures
 
 
 def metrics_table(metrics: dict, unscored: dict) -> str:

@@ -2,7 +2,9 @@
 
 - All/Old/New: RUN/metrics.json's `after`, under the run's protocol (`train.eval_protocol`); the other two of v1, v2
   and v2b score the same final clustering, RUN/clustering.npz (targets and clusters of the unlabelled train samples).
-- the code measures: RUN/tree.json's `measures` (written by `infosieve tree`, and by the sweep after each run).
+- the code measures: RUN/tree.json's `measures` (written by `infosieve tree`, and by the sweep after each run), only
+  while the checkpoint it records is still the run's: a run trained on after it (`train --resume`) has a stale tree,
+  whose numbers are left out with a note that says how to refresh it (`saved_tree`).
 - the time per epoch: the mean of log.jsonl's `seconds`; the peak memory: the largest of its per-epoch
   `peak_gpu_bytes` (CUDA) or `peak_rss_bytes` (the process's peak resident set on the CPU).
 - the checkpoint: every number here is the last checkpoint's (metrics.json is written from it). RUN/best.json, where
@@ -36,8 +38,9 @@ class RunResult:
     log: list[dict]
     metrics: dict | None  # metrics.json: "before", "after" (under the run's protocol), "protocol"
     accuracy: dict[str, dict[str, float]] | None  # protocol -> All/Old/New after training
-    codes: dict | None  # tree.json's measures
+    codes: dict | None  # tree.json's measures (None when it is stale)
     best: dict | None  # best.json
+    codes_note: str | None = None  # why `codes` is None though tree.json exists, or that its age is unknown
 
     @property
     def name(self) -> str:
@@ -82,6 +85,7 @@ class RunResult:
             "before": self.metrics["before"] if self.metrics else None,
             "accuracy": self.accuracy,
             "codes": self.codes,
+            "codes_note": self.codes_note,
             "seconds_per_epoch": self.seconds_per_epoch,
             "peak_memory_mib": None if peak is None else peak[0],
             "peak_memory_kind": None if peak is None else peak[1],
@@ -98,7 +102,7 @@ def read_run(run_dir: str | Path) -> RunResult:
         )
     cfg = load_config(run / CONFIG, saved=True)
     metrics = _read_json(run / METRICS)
-    tree = _read_json(run / TREE)
+    tree, note = saved_tree(run)
     return RunResult(
         run,
         cfg,
@@ -107,6 +111,31 @@ def read_run(run_dir: str | Path) -> RunResult:
         protocol_accuracies(run, metrics),
         None if tree is None else tree["measures"],
         read_best(run),
+        note,
+    )
+
+
+def saved_tree(run_dir: str | Path) -> tuple[dict | None, str | None]:
+    """RUN/tree.json as (tree, note): (tree, None) when the checkpoint it records is the run's last checkpoint now;
+    (None, note) when it is an older one (the run trained on after `infosieve tree`); (tree, note) for a tree.json that
+    records no checkpoint (written before trees did: its age is unknown); (None, None) when there is none.
+    (RUN/tree-best.json is not read back: `report --checkpoint best` computes the best checkpoint's tree again.)"""
+    path = Path(run_dir) / TREE
+    tree = _read_json(path)
+    if tree is None:
+        return None, None
+    refresh = f"`infosieve tree --run {run_dir}`"
+    current = describe_run(run_dir, "last")
+    if "checkpoint" not in tree:
+        return tree, (
+            f"{path} does not record its checkpoint (an older infosieve wrote it): it may be older than the run's "
+            f"'{current}'; run {refresh} to refresh it"
+        )
+    if tree["checkpoint"] == current:
+        return tree, None
+    return None, (
+        f"{path} is stale: it is of the checkpoint '{tree['checkpoint']}', the run's is now '{current}'; run {refresh} "
+        "to refresh it"
     )
 
 
