@@ -29,6 +29,7 @@ from .metrics import evaluate_split
 from .model import InfoSieve, PrefixTokens
 from .token_cache import TokenCache
 from .trainer_setup import rank_seed
+from .wording import counted
 
 
 @dataclass
@@ -219,7 +220,7 @@ class Evaluator:
         found = estimate_k(feats.numpy(), targets.numpy(), labelled.numpy(), self.source.n_old, progress=say)
         if main:
             n = self.source.n_classes
-            known = f"{n} classes" if n is not None else f"{self.source.n_old} known classes and a pool"
+            known = counted(n, "class") if n is not None else f"{counted(self.source.n_old, 'known class')} and a pool"
             said = describe_choice(found)
             print(f"kmeans.n_clusters=auto: estimated K = {found['k']} (the dataset has {known}); {said}")
             warning = no_new_cluster_warning(found)

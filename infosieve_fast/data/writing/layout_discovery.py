@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ...metrics import NO_LABEL
+from ...wording import counted
 from ..shard_format import DISCOVERY, IMAGE_SUFFIXES
 from .layout_common import LayoutError, RawDataset, class_dirs, need, relative_paths
 
@@ -104,8 +105,9 @@ def read_discovery(root: Path) -> RawDataset:
     others += rest
     _refuse_linked_twice(paths + pool, root)
     notes = [
-        f"discovery: {len(classes)} known classes ({len(paths):,} labelled images), {len(pool):,} unlabelled "
-        "images; the number of novel classes is unknown (train with kmeans.n_clusters: auto or a number)"
+        f"discovery: {counted(len(classes), 'known class')} ({counted(len(paths), 'labelled image')}), "
+        f"{counted(len(pool), 'unlabelled image')}; the number of novel classes is unknown (train with "
+        "kmeans.n_clusters: auto or a number)"
     ]
     if others:
         notes.append(f"{len(others)} file(s) are not images by their extension and are left out: {_few(others, root)}")

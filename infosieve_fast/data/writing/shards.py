@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...wording import counted
 from ..shard_format import DISCOVERY, IMAGE_FORMATS, resized_size
 from ..shard_manifest import (
     FORMAT,
@@ -207,13 +208,13 @@ def _describe_split(raw: RawDataset, counts: dict) -> str:
     """The split's counts, as make-shards prints them."""
     if raw.dataset == DISCOVERY:
         return (
-            f"{DISCOVERY}: {len(raw.known)} known classes; train {counts['train']:,} = labelled "
+            f"{DISCOVERY}: {counted(len(raw.known), 'known class')}; train {counts['train']:,} = labelled "
             f"{counts['labelled']:,} + held out for evaluation {counts['held_out']:,} + unlabelled "
             f"{counts['unlabelled']:,} (no labels); no test split"
         )
     return (
-        f"{raw.dataset}: {len(raw.class_names)} classes ({len(raw.known)} known, {len(raw.novel)} novel); train "
-        f"{counts['train']:,} = labelled {counts['labelled']:,} + unlabelled {counts['unlabelled']:,} "
+        f"{raw.dataset}: {counted(len(raw.class_names), 'class')} ({len(raw.known)} known, {len(raw.novel)} novel); "
+        f"train {counts['train']:,} = labelled {counts['labelled']:,} + unlabelled {counts['unlabelled']:,} "
         f"({counts['unlabelled_known']:,} known, {counts['unlabelled_novel']:,} novel); test {counts['test']:,}"
     )
 
