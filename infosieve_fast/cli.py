@@ -141,18 +141,20 @@ def _tree(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from .data.shard_format import IMAGE_SUFFIXES
     from .predict import predict
+    from .wording import counted
 
     summary = predict(
         args.run, args.images, args.out, batch_size=args.batch_size, device=args.device, checkpoint=args.checkpoint
     )
     print(f"checkpoint: {summary['checkpoint']}")
     print(
-        f"wrote {summary['written']} predictions to {summary['out']} ({summary['skipped']} unreadable images "
-        f"skipped; {summary['clusters_used']} clusters used)"
+        f"wrote {counted(summary['written'], 'prediction')} to {summary['out']} "
+        f"({counted(summary['skipped'], 'unreadable image')} skipped; {counted(summary['clusters_used'], 'cluster')} "
+        "used)"
     )
     if summary["not_images"]:
         print(
-            f"{summary['not_images']} files that are not images skipped (by their suffix: "
+            f"{counted(summary['not_images'], 'file')} skipped as not images (by their suffix: "
             f"{', '.join(summary['not_image_suffixes'])}); images end in {', '.join(IMAGE_SUFFIXES)}"
         )
     if summary["run_clustered"]:

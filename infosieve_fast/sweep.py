@@ -40,7 +40,7 @@ from . import run_folder, run_reader
 from .checkpoint import write_json
 from .config import Config, apply_overrides, config_drift, from_dict, from_saved, load_config
 from .preemption import PREEMPTED_EXIT, Preempted, StopSignals
-from .run_results import PARTS, TREE, format_spread, markdown_table, read_run, summarise_runs
+from .run_results import PARTS, TREE, format_spread, markdown_table, read_run, saved_tree, summarise_runs
 
 PLAN, SUMMARY_JSON, SUMMARY_MD, RUNS, LOGS = "sweep.json", "summary.json", "summary.md", "runs", "logs"
 SEED_KEY = "train.seed"
@@ -183,9 +183,13 @@ def run_dir(sweep_dir: Path, run: dict) -> Path:
 
 
 def is_done(sweep_dir: Path, run: dict) -> bool:
-    """Trained, evaluated (metrics.json) and its codes measured (tree.json)."""
+    """Trained, evaluated (metrics.json) and its last checkpoint's codes measured (a tree.json that is not stale)."""
     folder = run_dir(sweep_dir, run)
-    return (folder / run_reader.METRICS).is_file() and (folder / TREE).is_file()
+    return (folder / run_reader.METRICS).is_file() and has_current_tree(folder)
+
+
+def has_current_tree(folder: Path) -> bool:
+    return (folder / TREE).is_file() and saved_tree(folder)[0] is not None
 
 
 def run_one(sweep_dir: Path, plan: dict, run: dict) -> None:
@@ -193,7 +197,7 @@ def run_one(sweep_dir: Path, plan: dict, run: dict) -> None:
     folder = run_dir(sweep_dir, run)
     if not (folder / run_reader.METRICS).is_file():
         run_folder.train(run_config(plan, run), folder, resume=True)  # with no checkpoint yet: from scratch
-    if not (folder / TREE).is_file():
+    if not has_current_tree(folder):
         write_json(folder / TREE, run_reader.code_tree(folder))
 
 

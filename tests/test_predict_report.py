@@ -72,7 +72,7 @@ def test_csv_output_and_a_list_file(run, capsys):
     out = base / "pred.csv"
     assert cli.main(["predict", "--run", str(base / "run"), "--images", str(listing), "--out", str(out)]) == 0
     text = capsys.readouterr()
-    assert "zz_broken.png" in text.err and "1 unreadable images skipped" in text.out
+    assert "zz_broken.png" in text.err and "1 unreadable image skipped" in text.out
     rows = out.read_text().splitlines()
     assert rows[0] == "path,cluster,name,margin,code,prefix,tree_path" and len(rows) == 3
     assert rows[1].startswith("sub/0003.png,") and rows[2].startswith("sub/0001.png,")
@@ -98,7 +98,7 @@ def test_every_image_make_shards_reads_is_sorted_and_other_files_are_counted(run
     assert cli.main(["predict", "--run", str(base / "run"), "--images", str(images), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {len(IMAGE_SUFFIXES)} predictions" in printed
-    assert "2 files that are not images skipped (by their suffix: .txt, no suffix)" in printed
+    assert "2 files skipped as not images (by their suffix: .txt, no suffix)" in printed
     records = {json.loads(line)["path"].rsplit(".", 1)[1]: json.loads(line) for line in out.read_text().splitlines()}
     assert sorted(records) == sorted(s[1:] for s in IMAGE_SUFFIXES)
     # the lossless files hold the same pixels as the PNG: the same cluster and code

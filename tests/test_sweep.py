@@ -5,6 +5,7 @@ processes, and a summary whose means and spreads equal those computed here from 
 import json
 import mmap
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -142,6 +143,21 @@ def test_every_run_is_an_ordinary_run_folder(whole, capsys):
     assert load_checkpoint(run)["epoch"] == 2
     assert cli.main(["train", "--resume", str(run)]) == 0  # as `infosieve train` left it: finished, nothing reruns
     assert "already finished its 2 epochs" in capsys.readouterr().out
+
+
+def test_a_run_whose_tree_is_stale_is_measured_again(whole, tmp_path):
+    """A run trained on after its tree.json was written (its tree records an older checkpoint) is not done: the sweep
+    measures its codes again rather than summarising the old ones."""
+    sweep_dir = tmp_path / "copy"
+    shutil.copytree(whole, sweep_dir)
+    run = json.loads((sweep_dir / "sweep.json").read_text())["runs"][0]
+    tree_path = sweep.run_dir(sweep_dir, run) / "tree.json"
+    fresh = json.loads(tree_path.read_text())
+    assert sweep.is_done(sweep_dir, run) and fresh["checkpoint"] == "last, epoch 2"
+    tree_path.write_text(json.dumps(fresh | {"checkpoint": "last, epoch 1", "measures": {}}))
+    assert not sweep.is_done(sweep_dir, run)
+    sweep.run_one(sweep_dir, json.loads((sweep_dir / "sweep.json").read_text()), run)
+    assert json.loads(tree_path.read_text()) == fresh and sweep.is_done(sweep_dir, run)
 
 
 def strip_machine_numbers(summary: dict) -> dict:
