@@ -13,6 +13,7 @@ from . import distributed as dist
 from .config import Config, ConfigError
 from .config_checks import check_clusters_for_known
 from .data.reading.base import GCDSource
+from .data.reading.stream import FOREIGN
 from .model import Backbone, InfoSieve
 from .notices import notice
 
@@ -135,27 +136,35 @@ def check_source_fits(cfg: Config, source: GCDSource) -> None:
                 f"kmeans.cluster_size={km.cluster_size} x {k} clusters holds fewer than the {source.n_train} "
                 f"train samples: set it >= {-(-source.n_train // k)}, or null for ceil(N / K)"
             )
-    check_stored_size(getattr(source, "size", None), cfg.data.crop_size, cfg.data.shards)
+    foreign = getattr(source, "dataset", None) == FOREIGN
+    served_by = "data.resize" if cfg.data.resize else "foreign" if foreign else "make-shards"
+    check_stored_size(getattr(source, "size", None), cfg.data.crop_size, cfg.data.shards, served_by)
 
 
 STORED_SIZE_SLACK = 1.5  # stored shorter side / the test view's: more than this decodes over twice the pixels used
 
 
-def check_stored_size(stored: int | None, crop: int, shards) -> None:
-    """Shards whose images (shorter side `stored`, as served) are smaller than the crop are refused; much larger than
-    the test view `int(crop / 0.875)` that the crop is made for, they are decoded at pixels nothing uses: a warning
-    naming both sizes and the fix (configs/cub100-*.yaml crop 112 from shards made with --resize 128)."""
-    if stored is None:
+def check_stored_size(served: int | None, crop: int, shards, served_by: str = "make-shards") -> None:
+    """Shards whose images are served (shorter side `served`) smaller than the crop are refused; much larger than the
+    test view `int(crop / 0.875)` that the crop is made for, they are decoded at pixels nothing uses: a warning naming
+    both sizes and the fix (configs/cub100-*.yaml crop 112 from shards made with --resize 128). `served_by` says what
+    set the size, so the fix is one that changes it: "make-shards" (the size stored), "data.resize", or "foreign"
+    (foreign shards, served at 256 px when data.resize is unset)."""
+    if served is None:
         return
     view = int(crop / 0.875)
-    if stored < crop:
-        raise ConfigError(
-            f"the shards {shards} store images at {stored} px (shorter side), smaller than data.crop_size {crop}: "
-            f"make the shards again with make-shards --resize {view}, or set data.crop_size <= {stored}"
-        )
-    if stored > STORED_SIZE_SLACK * view:
+    size = {
+        "make-shards": f"the shards {shards} store images at {served} px (shorter side)",
+        "data.resize": f"data.resize={served} serves the images of {shards} at {served} px (shorter side)",
+        "foreign": f"the foreign shards {shards} are served at {served} px (shorter side; data.resize is unset)",
+    }[served_by]
+    remake = served_by == "make-shards"
+    if served < crop:
+        fix = f"make the shards again with make-shards --resize {view}, or" if remake else f"set data.resize={view}, or"
+        raise ConfigError(f"{size}, smaller than data.crop_size {crop}: {fix} set data.crop_size <= {served}")
+    if served > STORED_SIZE_SLACK * view:
+        fix = f"make the shards with make-shards --resize {view}, or set" if remake else "set"
         notice(
-            f"WARNING: the shards {shards} store images at {stored} px (shorter side) but data.crop_size {crop} is "
-            f"made for {view} px (its test view): every image is decoded at {(stored / view) ** 2:.1f}x the pixels "
-            f"it needs; make the shards with make-shards --resize {view}, or set data.resize={view}"
+            f"WARNING: {size} but data.crop_size {crop} is made for {view} px (its test view): every image is decoded "
+            f"at {(served / view) ** 2:.1f}x the pixels it needs; {fix} data.resize={view}"
         )

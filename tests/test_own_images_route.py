@@ -168,3 +168,14 @@ def test_stored_size_against_the_crop(capsys):
     assert capsys.readouterr().err == ""
     with pytest.raises(ConfigError, match="store images at 100 px .* smaller than data.crop_size 112"):
         check_stored_size(100, 112, "/s")
+
+
+def test_the_stored_size_fix_names_what_set_the_size(capsys):
+    """A size that data.resize or the foreign shards' default set is not fixed by making the shards again: the line
+    says what serves that size and that data.resize changes it."""
+    for served_by, what in (("data.resize", "data.resize=256 serves"), ("foreign", "foreign shards /s are served")):
+        check_stored_size(256, 112, "/s", served_by)
+        err = capsys.readouterr().err.strip()
+        assert what in err and err.endswith("the pixels it needs; set data.resize=128") and "--resize" not in err
+        with pytest.raises(ConfigError, match=r"at 100 px .*data.crop_size 112: set data.resize=128, or set data"):
+            check_stored_size(100, 112, "/s", served_by)
