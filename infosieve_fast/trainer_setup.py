@@ -14,6 +14,7 @@ from .config import Config, ConfigError
 from .config_checks import check_clusters_for_known
 from .data.reading.base import GCDSource
 from .data.reading.stream import FOREIGN
+from .data.splits import EXPECTED_COUNTS
 from .model import Backbone, InfoSieve
 from .notices import notice
 
@@ -136,9 +137,26 @@ def check_source_fits(cfg: Config, source: GCDSource) -> None:
                 f"kmeans.cluster_size={km.cluster_size} x {k} clusters holds fewer than the {source.n_train} "
                 f"train samples: set it >= {-(-source.n_train // k)}, or null for ceil(N / K)"
             )
+    check_config_fits_shards(cfg.name, getattr(source, "dataset", None), cfg.data.shards)
     foreign = getattr(source, "dataset", None) == FOREIGN
     served_by = "data.resize" if cfg.data.resize else "foreign" if foreign else "make-shards"
     check_stored_size(getattr(source, "size", None), cfg.data.crop_size, cfg.data.shards, served_by)
+
+
+PAPER_DATASETS = (*EXPECTED_COUNTS, "imagenet1k")
+
+
+def check_config_fits_shards(config_name: str, dataset: str | None, shards) -> None:
+    """configs/<dataset>.yaml and dinov2-<dataset>.yaml hold that dataset's paper settings (its label smoothing, its
+    trained blocks): on another paper dataset's shards such a config is most likely the wrong one, so a warning names
+    both and the config to use."""
+    meant = config_name.removeprefix("dinov2-")
+    if meant in PAPER_DATASETS and dataset in PAPER_DATASETS and dataset != meant:
+        notice(
+            f"WARNING: the config {config_name!r} holds the paper's settings for {meant} (label smoothing, trained "
+            f"blocks), but the shards {shards} hold {dataset}: train with configs/{dataset}.yaml, or --set "
+            f"name={dataset} to keep these settings on purpose"
+        )
 
 
 STORED_SIZE_SLACK = 1.5  # stored shorter side / the test view's: more than this decodes over twice the pixels used

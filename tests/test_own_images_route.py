@@ -20,7 +20,7 @@ from infosieve_fast.data.writing.shards import make_shards
 from infosieve_fast.metrics import NO_LABEL
 from infosieve_fast.predict import model_from_run
 from infosieve_fast.run_folder import train
-from infosieve_fast.trainer_setup import check_stored_size
+from infosieve_fast.trainer_setup import check_config_fits_shards, check_stored_size
 from tests.test_engine import SMOKE
 
 KNOWN, NOVEL = ("airplane", "automobile"), ("bird", "cat")
@@ -179,3 +179,17 @@ def test_the_stored_size_fix_names_what_set_the_size(capsys):
         assert what in err and err.endswith("the pixels it needs; set data.resize=128") and "--resize" not in err
         with pytest.raises(ConfigError, match=r"at 100 px .*data.crop_size 112: set data.resize=128, or set data"):
             check_stored_size(100, 112, "/s", served_by)
+
+
+def test_a_paper_config_on_another_paper_datasets_shards_warns(capsys):
+    """configs/cub.yaml (or dinov2-cub.yaml) on scars shards: a warning naming both and the config to use; a config
+    on its own dataset, on your own images, on foreign shards or on a subset layout is quiet."""
+    for name in ("cub", "dinov2-cub"):
+        check_config_fits_shards(name, "scars", "/s")
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"the config '{name}' holds the paper's settings for cub" in err
+        assert "the shards /s hold scars: train with configs/scars.yaml" in err
+    for name, dataset in (("cub", "cub"), ("dinov2-cub", "discovery"), ("cub100-tree", "cubfiles"), ("demo", None),
+                          ("cub", "webdataset"), ("imagenet1k", "imagenet1k")):  # fmt: skip
+        check_config_fits_shards(name, dataset, "/s")
+    assert capsys.readouterr().err == ""
