@@ -7,7 +7,8 @@ keys of `data.intake` (`config.IntakeConfig`): the image is the first of `image_
 that (json) member. `class_list` names the classes, one per line (line i = class id i). The known/novel split is
 computed over the samples in storage order exactly as `make-shards` computes it over a dataset's native order
 (`splits.gcd_split`: known classes default to the first half of the ids, `labelled_prop` of their images labelled,
-chosen by `split_seed`), so the same images in the same order get the same split either way.
+chosen by `split_seed`), so the same images in the same order get the same split either way. make-shards' own tars
+(their samples hold `.uq`/`.lab`) are refused on this route: their split lives in the folder's manifest.json.
 
 The index (`tar.index_rows`: one header walk over every shard) is saved as `.infosieve-index-<hash>.npz` beside the
 shards, or in `data.intake.index_cache` when their folder is read-only, with every shard's size and modification
@@ -24,6 +25,7 @@ import mmap
 import os
 import re
 import sys
+import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -33,9 +35,10 @@ import numpy as np
 
 from ...checkpoint import atomic_write
 from ...config import IntakeConfig
+from ..shard_manifest import MANIFEST, ManifestError
 from ..splits import gcd_split
 from .remote import SHARD_SUFFIXES, fetch_all, is_remote
-from .tar import SampleKeys, ShardIndex, index_rows, make_shards_index, member_bytes
+from .tar import SampleKeys, ShardIndex, index_rows, make_shards_index, member_bytes, open_mmap, sample_spans
 
 INDEX_VERSION = 1
 DEFAULT_IMAGE_KEYS = "jpg;jpeg;png;webp"
@@ -67,7 +70,7 @@ def expand_braces(pattern: str) -> list[str]:
 
 def is_manifest_folder(spec) -> bool:
     """`spec` names a folder written by `infosieve make-shards`."""
-    return isinstance(spec, (str, Path)) and (Path(spec) / "manifest.json").is_file()
+    return isinstance(spec, (str, Path)) and (Path(spec) / MANIFEST).is_file()
 
 
 def shard_paths(
@@ -105,8 +108,47 @@ def shard_paths(
             raise FileNotFoundError(f"data.shards {text}: the pattern matches no file")
         return found
     if path.is_file():
+        if path.name == MANIFEST:
+            raise ManifestError(
+                f"data.shards {text} is the manifest of a make-shards folder, not a shard: point data.shards at its "
+                f"folder, {path.parent}"
+            )
         return [str(path)]
     raise FileNotFoundError(f"data.shards {text}: no such folder or file")
+
+
+def _first_sample_members(path: str) -> set[str]:
+    """The member extensions of the first sample of the tar at `path` (none when it cannot be read: its indexing
+    reports why)."""
+    try:
+        mm = open_mmap(path)
+    except (OSError, ValueError, tarfile.ReadError):
+        return set()
+    try:
+        return next((set(parts) for _, parts in sample_spans(mm)), set())
+    except tarfile.ReadError:
+        return set()
+    finally:
+        mm.close()
+
+
+def refuse_make_shards_tars(spec, urls: list[str]) -> None:
+    """make-shards' tars read as foreign shards would lose their split (test samples trained on, the known classes
+    guessed): refuse them when their first sample holds make-shards' cls/uq/lab members, naming the way back."""
+    if not set(SampleKeys().fields) <= _first_sample_members(urls[0]):
+        return
+    folder = Path(urls[0]).parent
+    if (folder / MANIFEST).is_file():
+        raise ManifestError(
+            f"data.shards {spec}: these are shards of the make-shards folder {folder}: point data.shards at the "
+            "folder itself (its manifest.json holds their split)"
+        )
+    what = f"data.shards {spec} is" if Path(str(spec)).is_dir() else f"data.shards {spec}: {folder} is"
+    raise ManifestError(
+        f"{what} a make-shards folder that lost its manifest.json (its shards hold make-shards' .uq/.lab members, "
+        "whose split only the manifest records): restore manifest.json from where the folder came from, or run "
+        "make-shards again"
+    )
 
 
 # ---- foreign samples ---------------------------------------------------------------------------------------------
@@ -198,6 +240,7 @@ def split_classes(labels: np.ndarray, keys: ForeignKeys, known: list | None) -> 
 def open_foreign(spec, opts: IntakeConfig, processes: int | None = None) -> ForeignSet:
     """Index (or reuse the saved index of) the foreign shards `spec` names and compute their GCD split."""
     urls = shard_paths(spec, opts.download_cache, opts.sha256)
+    refuse_make_shards_tars(spec, urls)
     keys = foreign_keys(opts)
     arrays, problems, reused = cached_index(
         urls, {"kind": "foreign", "keys": repr(keys)}, lambda: _build_rows(urls, keys, processes), opts.index_cache
