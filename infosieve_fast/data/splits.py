@@ -45,7 +45,10 @@ def gcd_split(
     present = set(targets.tolist())
     missing = sorted(set(known) - present)
     if missing:
-        raise ValueError(f"known classes {missing} have no images in the train set: check --known-classes")
+        raise ValueError(  # every place a user names the known classes: this function serves them all
+            f"known classes {missing} have no images in the train set: check --known-classes (make-shards), "
+            "data.intake.known_classes (training on foreign shards) or data.digits.known_classes"
+        )
     if novel_classes is None:
         novel = sorted(present - set(known))
     else:

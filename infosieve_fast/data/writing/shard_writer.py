@@ -151,14 +151,15 @@ class ShardWriter:
     def _write_one(
         self, plan: Plan, name: str, start: int, results: Iterator[tuple], size_bytes: int, stop_at: int
     ) -> dict:
-        """Write positions start.. into `name` until it reaches `size_bytes` (or `stop_at`); atomic."""
+        """Write positions start.. into `name` until it reaches `size_bytes` (or `stop_at`); atomic. A shard takes at
+        least one position, so that a size below one sample's bytes still moves on."""
         skipped, written, pos = [], 0, start
         image_format = self.codec[0]
 
         def write(f) -> None:
             nonlocal written, pos
             with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-                while pos < stop_at and f.tell() < size_bytes:
+                while pos < stop_at and (pos == start or f.tell() < size_bytes):
                     p, data, err = next(results)
                     assert p == pos, (p, pos)
                     if data is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -95,6 +96,7 @@ def make_shards(
 
     `image_format`: "jpg" (lossy, quality `jpeg_quality`) or "png" (lossless). `holdout` (discovery only): the share of
     each known class's labelled images held out for evaluation (`splits.holdout_mask`, seeded by `holdout_seed`)."""
+    _check_numbers(shard_size_mb, resize, workers, jpeg_quality, holdout, holdout_seed)
     dataset, codec = _checked(dataset, root, known_classes, image_format, holdout), (image_format, jpeg_quality)
     out = Path(out)
     raw = root if isinstance(root, RawDataset) else read_dataset(dataset, root, known_classes)
@@ -145,11 +147,29 @@ def _checked(
     dataset = canonical_name(dataset)
     if holdout and dataset != DISCOVERY:
         raise ShardsError(f"--holdout applies to --dataset {DISCOVERY} (your own images); {dataset} has its GCD split")
-    if not 0.0 <= holdout < 1.0:
-        raise ShardsError(f"--holdout {holdout}: the held-out share must lie in [0, 1), e.g. --holdout 0.1")
     if isinstance(root, RawDataset) and known_classes is not None:
         raise ShardsError("known_classes applies to a dataset read from its folder: set the RawDataset's known classes")
     return dataset
+
+
+def _check_numbers(
+    shard_size_mb: float, resize: int, workers: int, jpeg_quality: int, holdout: float, holdout_seed: int
+) -> None:
+    """Refuse a numeric option out of its range before anything is read or written."""
+    if not (math.isfinite(shard_size_mb) and shard_size_mb > 0):
+        raise ShardsError(
+            f"--shard-size-mb {shard_size_mb:g}: a shard's size must be above 0 MB, e.g. --shard-size-mb 256"
+        )
+    if resize < 1:
+        raise ShardsError(f"--resize {resize}: the stored shorter side must be 1 px or more, e.g. --resize 256")
+    if workers < 1:
+        raise ShardsError(f"--workers {workers}: at least 1 encoding process is needed, e.g. --workers 4")
+    if not 1 <= jpeg_quality <= 100:
+        raise ShardsError(f"--jpeg-quality {jpeg_quality}: JPEG quality lies in 1..100, e.g. --jpeg-quality 95")
+    if not 0.0 <= holdout < 1.0:
+        raise ShardsError(f"--holdout {holdout}: the held-out share must lie in [0, 1), e.g. --holdout 0.1")
+    if not 0 <= holdout_seed < 2**32:
+        raise ShardsError(f"--holdout-seed {holdout_seed}: a seed lies in 0..2**32-1, e.g. --holdout-seed 0")
 
 
 def _log_split(dataset: str, raw: RawDataset, counts: dict, log) -> None:
