@@ -141,6 +141,6 @@ def run_pool_section(run: Path, clustering: dict, checkpoint: str) -> str:
     from .checkpoint import load_checkpoint
     from .cluster_names import checkpoint_names
 
-    state = load_checkpoint(run)
+    state = load_checkpoint(run, mmap=True)  # its records and the centres' count: no tensor is read
     names = checkpoint_names(run, checkpoint)
     return pool_section(run, clustering, list(state["class_names"]), len(state["centers"]), names)

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import read_log
+from .checkpoint import load_checkpoint, read_log
 from .discovery import run_pool_section, unscored_notes, unscored_parts
 from .metrics import NO_LABEL
-from .run_reader import describe_run, read_clustering
+from .run_reader import checkpoint_name, describe_run, read_clustering
 from .run_results import saved_tree
 
 TREE_DEPTH = 4
@@ -302,9 +302,6 @@ def write_report(
 
 def run_class_names(run: Path, checkpoint: str) -> list[str] | None:
     """The class names in target order, as the run's checkpoint stores them (read memory-mapped); None without one."""
-    from .checkpoint import load_checkpoint
-    from .run_reader import checkpoint_name
-
     name = checkpoint_name(checkpoint)
     if not (run / name).is_file():
         return None
