@@ -8,15 +8,20 @@ the rest of the epoch needs beyond the model and optimizer: the step reached, th
 inertia, the unreadable samples, and per rank the augmentation generator, torch's generator and the loss sums.
 `--resume` skips the epoch's feature pass and k-means, the batches already trained, and goes on bit for bit.
 
-A signal during a feature pass or k-means (of an epoch, or the evaluation before training) is acted on at the next
-step boundary: the pass finishes and the run stops before the epoch's first step. The final evaluation, once begun,
-finishes (the run then ends normally).
+The signal is only recorded while a step can act on it (`StopSignals.deferred`: from the evaluation before training
+to the end of the final one). A signal during a feature pass or k-means (of an epoch, or the evaluation before training)
+is acted on at the next step boundary: the pass finishes and the run stops before the epoch's first step. The final
+evaluation, once begun, finishes (the run then ends normally). Outside that window (opening the data, indexing shards,
+a download, building the model) there is no step to wait for, and a second signal means the sender will not wait: both
+end the run at once (`StoppedAtOnce`), its last checkpoint as it was.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,23 +29,34 @@ from torch import Tensor
 
 from . import checkpoint as ckpt
 from . import distributed as dist
+from .worker_processes import STOP_SIGNALS as SIGNALS
 
 # sysexits.h's EX_TEMPFAIL ("try again later"): not a crash (1), a usage error (2), Ctrl-C (130) nor a process the
 # signal killed outright (143 = 128 + SIGTERM), so a batch script can tell "requeue me" from every failure
 PREEMPTED_EXIT = 75
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preempted(Exception):
     """The run stopped on a signal; its checkpoint (mid-epoch or end of epoch) is durable. The message says where."""
 
 
+class StoppedAtOnce(Preempted):
+    """A stop signal where no step could act on it (outside `StopSignals.deferred`), or a second one: raised from the
+    handler, wherever the main thread was."""
+
+    def __init__(self, signal_name: str, again: bool):
+        self.signal_name, self.again = signal_name, again
+        super().__init__(f"{signal_name}{' again' if again else ''}: stopped at once")
+
+
 class StopSignals:
-    """Within: SIGTERM and SIGUSR1 set a flag instead of ending the process (only in the main thread, the one Python
-    delivers signals to); the previous handlers come back on the way out."""
+    """Within: SIGTERM and SIGUSR1 raise `StoppedAtOnce`, except in `deferred()`, where the first one only sets a flag
+    that the steps ask (`requested`). Installed only in the main thread, the one Python delivers signals to; the
+    previous handlers come back on the way out."""
 
     def __init__(self):
         self.received: str | None = None  # the first signal's name
+        self._deferring = False
         self._previous: dict[int, object] = {}
         self._group = None  # a gloo group for the agreement when the default group runs on NCCL (host, no GPU sync)
 
@@ -60,8 +76,20 @@ class StopSignals:
             torch.distributed.destroy_process_group(self._group)
             self._group = None
 
+    @contextmanager
+    def deferred(self) -> Iterator[StopSignals]:
+        """Within: the first stop signal is recorded and acted on at the next step boundary."""
+        self._deferring = True
+        try:
+            yield self
+        finally:
+            self._deferring = False
+
     def _record(self, signum: int, frame) -> None:
-        self.received = self.received or signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if not self._deferring or self.received is not None:
+            raise StoppedAtOnce(name, again=self.received is not None)
+        self.received = name
 
     def requested(self) -> bool:
         """Whether any rank received a stop signal (every rank calls this at the same points and gets the same

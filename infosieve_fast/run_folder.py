@@ -33,7 +33,7 @@ from .data.reading.base import GCDSource
 from .engine import Evaluation, Trainer, status_line
 from .evaluation import epoch_log
 from .model import Backbone
-from .preemption import MidEpoch, Preempted, StoppedMidEpoch, StopSignals
+from .preemption import MidEpoch, Preempted, StoppedAtOnce, StoppedMidEpoch, StopSignals
 from .run_reader import (
     BEST,
     BEST_CHECKPOINT,
@@ -73,13 +73,29 @@ def train(
     torchrun's process group); None: this call starts it. With a group, every rank calls this with the same arguments
     (all ranks read the checkpoint to resume; rank 0 writes the folder).
     SIGTERM or SIGUSR1 stops the run at its next step or epoch boundary with a checkpoint, and raises `Preempted`
-    (preemption.py).
+    (preemption.py); before the run's first evaluation (while its data and model are set up), or a second time, it
+    stops the run at once, its last checkpoint as it was.
     """
     with contextlib.ExitStack() as stack:
         if device is None:
             device = stack.enter_context(started_run(cfg.train.device))
         stop = stack.enter_context(StopSignals())
-        return _train(cfg, Path(run_dir), device, resume, source, backbone, stop_after, list(overrides), stop)
+        try:
+            return _train(cfg, Path(run_dir), device, resume, source, backbone, stop_after, list(overrides), stop)
+        except StoppedAtOnce as stopped:
+            raise stopped_at_once(stopped, Path(run_dir)) from None
+
+
+def stopped_at_once(stopped: StoppedAtOnce, run_dir: Path) -> Preempted:
+    """The error of a run ended by `StoppedAtOnce`: when it came, and the way back."""
+    ckpt.wait_for_checkpoint()
+    when = "again, without waiting for the step" if stopped.again else "while the run was being set up"
+    if (run_dir / ckpt.CHECKPOINT).is_file():
+        way_back = f"its last checkpoint, {run_dir / ckpt.CHECKPOINT}, is as it was: continue with " \
+            f"`infosieve train --resume {run_dir}`"  # fmt: skip
+    else:
+        way_back = "it had no checkpoint yet: run the same command again (the folder is started afresh)"
+    return Preempted(f"{stopped.signal_name} {when}: stopped at once; {way_back}")
 
 
 def _train(
@@ -103,6 +119,15 @@ def _train(
         prepare_new_folder(run_dir, device)
     trainer = Trainer(cfg, source, backbone, device=device, pretrained=state is None)
     trainer.stop = stop
+    with stop.deferred():  # from here on, a stop signal waits for the next step, which checkpoints
+        return train_from(trainer, run_dir, state, started, stop_after)
+
+
+def train_from(
+    trainer: Trainer, run_dir: Path, state: dict | None, started: float, stop_after: Callable[[int], bool] | None
+) -> dict | None:
+    """The run from the untrained model's evaluation (`state` None) or from the checkpoint `state` to its end."""
+    cfg = trainer.cfg
     if state is not None:
         trainer.load_state_dict(state)
         start, before = state["epoch"], state["before"]

@@ -214,7 +214,7 @@ def run_on_devices(sweep_dir: Path, pending: list[dict], devices: list[str]) -> 
     signal is passed on to the runs in flight; once they have checkpointed, `Preempted` ends the sweep."""
     queue, free, running, failed, preempted = list(pending), list(devices), {}, [], []
     threads, passed_on = threads_per_process(len(devices)), False
-    with StopSignals() as stop:
+    with StopSignals() as stop, stop.deferred():  # the loop asks for the signal between its polls
         try:
             while running or (queue and not (failed or preempted or stop.received)):
                 if stop.received and not passed_on:

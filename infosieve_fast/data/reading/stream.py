@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from ... import distributed as dist
 from ...config import DataConfig, IntakeConfig
 from ...metrics import NO_LABEL
+from ...worker_processes import start_reader_worker
 from ..shard_format import DISCOVERY
 from ..shard_manifest import ManifestError, read_manifest, shard_file_problems
 from .base import Batch
@@ -308,6 +309,7 @@ class ShardSource:
                     pin_memory=self.device.type == "cuda",
                     prefetch_factor=2,
                     multiprocessing_context=worker_context(preload=__name__),
+                    worker_init_fn=start_reader_worker,
                 )
             )
         for parts in parts_iter:

@@ -24,6 +24,8 @@ from functools import partial
 
 import numpy as np
 
+from ...worker_processes import forked_pool
+
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 IMAGE_KEYS = ("jpg", "png")  # a sample's image, by the shards' --image-format
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -355,9 +357,7 @@ def index_rows(
     walk is Python, a cost per sample that adds up on ImageNet-size sets."""
     processes = min(len(paths), processes or os.cpu_count() or 1)
     if processes > 1:
-        import multiprocessing
-
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
+        with forked_pool(processes) as pool:
             results = pool.map(partial(index_shard, keys=keys), paths, chunksize=1)
     else:
         results = [index_shard(p, keys) for p in paths]

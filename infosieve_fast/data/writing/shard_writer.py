@@ -4,7 +4,6 @@ the tar shards written from it, atomically, with fixed tar metadata so that a re
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import sys
 import tarfile
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ...checkpoint import atomic_write
+from ...worker_processes import forked_pool
 from ..shard_format import DISCOVERY
 from ..shard_manifest import ORDER_SEED, PROP, SPLIT_SEED, ShardsError, file_sha256
 from ..splits import discovery_counts, discovery_split, gcd_split, split_counts
@@ -72,12 +72,11 @@ def plans(raw: RawDataset, holdout: float, holdout_seed: int) -> tuple[Plan, Pla
 @contextmanager
 def encoding_pool(workers: int) -> Iterator[object]:
     """`workers` forked encoding processes (None for one: encode in this process), terminated on exit."""
-    pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
-    try:
+    if workers <= 1:
+        yield None
+        return
+    with forked_pool(workers) as pool:
         yield pool
-    finally:
-        if pool is not None:
-            pool.terminate()
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -1,0 +1,49 @@
+"""Worker processes that a signal can always end, and that a run's graceful stop does not lose.
+
+A process forked while the run's stop handler (`preemption.StopSignals`) is installed inherits it, so SIGTERM would
+only set a flag in the child (or raise there). `multiprocessing.Pool.terminate` ends its workers with SIGTERM and then
+joins them with no time limit: a worker that swallows it keeps its parent waiting for ever. So every worker the project
+starts begins with one of the two initialisers below.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def reset_stop_signals() -> None:
+    """A pool worker's start (the shard index, make-shards' encoders): SIGTERM and SIGUSR1 end it (their default);
+    SIGINT is ignored, since Ctrl-C reaches the whole process group and the parent ends its pool itself, without a
+    traceback from every worker."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def start_reader_worker(_worker_id: int) -> None:
+    """A DataLoader worker's start (`worker_init_fn`): its own process group, the stop signals' default action.
+
+    A signal sent to the run's process group (`timeout`, Ctrl-C in a terminal) then reaches the run and not its
+    readers: the run stops at its next step with a checkpoint, which it could not do if a reader died under it
+    (DataLoader raises in the parent as soon as a worker is killed). The run ends its readers itself, with SIGTERM,
+    which ends them at once."""
+    os.setpgid(0, 0)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@contextmanager
+def forked_pool(processes: int) -> Iterator[multiprocessing.pool.Pool]:
+    """A pool of `processes` forked workers that start with `reset_stop_signals`, terminated on the way out (its join
+    then lasts as long as a SIGTERM takes to end a process)."""
+    pool = multiprocessing.get_context("fork").Pool(processes, initializer=reset_stop_signals)
+    try:
+        yield pool
+    finally:
+        pool.terminate()
