@@ -116,3 +116,19 @@ def test_a_separate_teacher_replaces_the_detached_student_only_in_the_distillati
     assert not torch.allclose(parts_own["distill"], parts["distill"])
     for name in ("cls", "memax", "infonce", "supcon"):
         assert torch.equal(parts_own[name], parts[name])
+
+
+def test_the_loss_traces_as_one_graph_without_breaks():
+    """No host sync or data-dependent Python branch in the step's loss: dynamo sees one graph (the teacher
+    temperature is a buffer, so a new epoch needs no new graph)."""
+    _, prototypes, mlp = _pair(5)
+    targets, labelled = batch(5, B, N_CLASSES, N_OLD)
+    method = SimGCD()
+    method.set_epoch(3)
+
+    def loss(feats):
+        step = StepTensors(feats, mlp(feats), targets, labelled, heads={HEAD: prototypes(feats)})
+        return method(step)[0]
+
+    explained = torch._dynamo.explain(loss)(torch.randn(2 * B, FEAT))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
