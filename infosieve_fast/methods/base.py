@@ -1,0 +1,55 @@
+"""What a GCD method provides to the shared engine: its extra heads, its loss, and how it labels the train set.
+
+Everything else (backbone, projection head, two-view sampler, augmentation, bf16 forward, optimiser, SS-k-means,
+evaluators, run folder) is shared. A method is a `Method` module: its loss is `forward`, its per-epoch state (a
+schedule, a hierarchy) lives in buffers updated in place, so a compiled or graph-captured step never recompiles for a
+new epoch and never reads the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+# What the training loss reads each epoch, computed before the epoch's steps (docs/reference.md §12):
+# "kmeans": one SS-k-means pseudo-label per train sample; "hierarchy": one per sample and level (SelEx);
+# "none": nothing (GCD, SimGCD), so the engine skips the per-epoch feature pass and clustering.
+LABELS = ("kmeans", "hierarchy", "none")
+# How the method predicts a class: SS-k-means on backbone features, or the argmax of its prototype head.
+PREDICTIONS = ("kmeans", "head")
+
+
+@dataclass
+class StepTensors:
+    """One step's tensors. Rows are view-major: view 0 of the B samples, then view 1 of the same samples (2B)."""
+
+    backbone: Tensor  # [2B, F] backbone CLS features as the backbone returns them (not normalised)
+    projection: Tensor  # [2B, D] projection-head output; every method normalises it itself
+    targets: Tensor  # [B] ground-truth classes, read only where `labelled`
+    labelled: Tensor  # [B] bool
+    pseudo: Tensor | None = None  # [B] SS-k-means labels ("kmeans") or [levels, B] ("hierarchy")
+    heads: Mapping[str, Any] = field(default_factory=dict)  # the outputs of the method's own heads, by name
+
+
+class Method(nn.Module):
+    """A method's loss (`forward`) and what the engine must do around it (class attributes, `build_heads`,
+    `set_epoch`). Subclasses set `name`, `labels` and `predicts`."""
+
+    name: ClassVar[str]
+    labels: ClassVar[str]  # one of LABELS
+    predicts: ClassVar[str]  # one of PREDICTIONS
+
+    def build_heads(self, feat_dim: int, n_classes: int) -> nn.ModuleDict:
+        """The method's heads on the backbone features, beside the shared projection head (none by default). The
+        engine runs each on the [2B, F] backbone features and passes the outputs as `StepTensors.heads`."""
+        return nn.ModuleDict()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Per-epoch schedules, written into buffers in place (nothing by default)."""
+
+    def forward(self, step: StepTensors) -> tuple[Tensor, dict[str, Tensor]]:
+        """(total loss, its detached terms by name) of one step; every term in fp32 whatever autocast is on."""
+        raise NotImplementedError
