@@ -133,14 +133,3 @@ def pool_section(
     )
     text = "".join(f"<p>{html.escape(line)}</p>" for line in lines)
     return f"<h2>Discovery: the unlabelled pool</h2>{text}<table>{head}{''.join(rows)}</table>"
-
-
-def run_pool_section(run: Path, clustering: dict, checkpoint: str) -> str:
-    """`pool_section` of the run folder `run`, with the class names and the number of clusters of its checkpoint and
-    the names that hold for `checkpoint`'s clusters."""
-    from .checkpoint import load_checkpoint
-    from .cluster_names import checkpoint_names
-
-    state = load_checkpoint(run, mmap=True)  # its records and the centres' count: no tensor is read
-    names = checkpoint_names(run, checkpoint)
-    return pool_section(run, clustering, list(state["class_names"]), len(state["centers"]), names)

@@ -163,3 +163,8 @@ def process_group_from_env(use_cuda: bool) -> Iterator[None]:
     finally:
         if owned:
             destroy()
+
+
+def rank_seed(seed: int) -> int:
+    """`seed` on rank 0 (so one process draws exactly as before), a different stream on every other rank."""
+    return (seed + get_rank() * 7_919_000_003) % (2**63)

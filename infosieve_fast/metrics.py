@@ -31,8 +31,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from .common.labels import NO_LABEL
+
 __all__ = [
-    "NO_LABEL",
     "PROTOCOLS",
     "SplitAcc",
     "cluster_acc",
@@ -42,8 +43,6 @@ __all__ = [
     "split_cluster_acc_v2b",
 ]
 
-
-NO_LABEL = -1  # the target of an image with no label at all: never a class, never scored
 
 
 class SplitAcc(NamedTuple):

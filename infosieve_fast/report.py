@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import load_checkpoint, read_log
-from .discovery import run_pool_section, unscored_notes, unscored_parts
+from .cluster_names import checkpoint_names
+from .discovery import pool_section, unscored_notes, unscored_parts
 from .metrics import NO_LABEL
 from .run_reader import checkpoint_name, describe_run, read_clustering
 from .run_results import saved_tree
@@ -408,3 +409,11 @@ def checkpoint_html(read: str, metrics: dict | None) -> str:
         f"before/after table cover the whole run (after: the last checkpoint).</em></p><table><tr><th></th>"
         f"<th>All</th><th>Old</th><th>New</th></tr><tr><td>{html.escape(read)}</td>{cells}</tr></table>"
     )
+
+
+def run_pool_section(run: Path, clustering: dict, checkpoint: str) -> str:
+    """`pool_section` of the run folder `run`, with the class names and the number of clusters of its checkpoint and
+    the names that hold for `checkpoint`'s clusters."""
+    state = load_checkpoint(run, mmap=True)  # its records and the centres' count: no tensor is read
+    names = checkpoint_names(run, checkpoint)
+    return pool_section(run, clustering, list(state["class_names"]), len(state["centers"]), names)

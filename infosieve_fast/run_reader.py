@@ -4,7 +4,6 @@ best checkpoint read runs through here; `run_folder.py` writes them (its docstri
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,14 +12,12 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import from_saved
+from .run_files import BEST_CHECKPOINT, CLUSTERING
 from .tree import build_tree, code_strings
 
 if TYPE_CHECKING:  # the file readers (`compare`, the best checkpoint's) stay without the training stack
     from .engine import Trainer
 
-CONFIG, LOG, METRICS, RESUMES = "config.yaml", "log.jsonl", "metrics.json", "resumes.jsonl"
-UNREADABLE, CLUSTERING, TENSORBOARD = "unreadable.json", "clustering.npz", "tensorboard"
-BEST_CHECKPOINT, BEST = "checkpoint-best.pt", "best.json"
 CHECKPOINTS = ("last", "best")
 
 
@@ -35,12 +32,6 @@ def run_folder_problem(run_dir: str | Path) -> str | None:
         f"--run {run_dir}: {problem}; pass the run folder an `infosieve train` run wrote (it printed "
         "`run folder: ...`; by default runs/<config>-<timestamp>)"
     )
-
-
-def read_best(run_dir: str | Path) -> dict | None:
-    """RUN/best.json, None when the run keeps no best checkpoint (yet)."""
-    path = Path(run_dir) / BEST
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def read_clustering(run_dir: str | Path) -> dict | None:

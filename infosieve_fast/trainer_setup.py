@@ -58,11 +58,6 @@ def epoch_seed(seed: int, epoch: int, stream: int) -> int:
     return (seed * 1_000_003 + epoch * 101 + stream) % (2**63)
 
 
-def rank_seed(seed: int) -> int:
-    """`seed` on rank 0 (so one process draws exactly as before), a different stream on every other rank."""
-    return (seed + dist.get_rank() * 7_919_000_003) % (2**63)
-
-
 def build_optimizer(model: torch.nn.Module, o, device: torch.device) -> torch.optim.Optimizer:
     """SGD or AdamW over the trainable parameters; one fused kernel per step on CUDA (same update, fewer launches),
     the foreach implementation elsewhere. Each parameter group's `lr_scale` is its share of the scheduled lr."""
