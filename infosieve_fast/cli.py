@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,8 @@ from . import distributed
 from .checkpoint import DiskWriteError
 from .data.writing import shards
 from .preemption import PREEMPTED_EXIT, Preempted
+from .run_source import SOURCE_FLAG, refuse_fetches, typed_source
+from .shown_text import terminal_safe
 
 AUTO = "auto"  # `--resume auto`: what a relaunched command line (torchrun --max-restarts, a requeued job) passes
 
@@ -38,6 +41,8 @@ def _train(args: argparse.Namespace) -> int:
             )
         # --set on resume changes the run on purpose: recorded in RUN/resumes.jsonl and config.yaml
         cfg = config_mod.load_config(cfg_path, overrides, saved=True)
+        typed = any(o.partition("=")[0].strip() == "data.shards" for o in overrides)
+        refuse_fetches(cfg, run_dir, shards_typed=typed)  # a run folder runs no command and fetches nothing of its own
         _interruptible(lambda: train(cfg, run_dir, resume=True, overrides=overrides), run_dir)
         return 0
     if not args.config:
@@ -127,13 +132,13 @@ def _tree(args: argparse.Namespace) -> int:
     default = "tree.json" if args.checkpoint == "last" else "tree-best.json"  # the last's tree stays where it was
     out = Path(args.json) if args.json else Path(args.run) / default
     write_json(out, tree)
-    print(format_tree(tree))
+    print("\n".join(map(terminal_safe, format_tree(tree).split("\n"))))  # class names come from the data
     print(format_code_measures(tree["measures"]))
     if tree.get("novel_clusters"):
         from .cluster_places import place_text
 
         print("novel clusters in the tree:")
-        print("\n".join(f"  {place_text(place)}" for place in tree["novel_clusters"]))
+        print("\n".join(f"  {terminal_safe(place_text(place))}" for place in tree["novel_clusters"]))
     print(f"wrote {out}")
     return 0
 
@@ -155,7 +160,7 @@ def _predict(args: argparse.Namespace) -> int:
     if summary["not_images"]:
         print(
             f"{counted(summary['not_images'], 'file')} skipped as not images (by their suffix: "
-            f"{', '.join(summary['not_image_suffixes'])}); images end in {', '.join(IMAGE_SUFFIXES)}"
+            f"{terminal_safe(', '.join(summary['not_image_suffixes']))}); images end in {', '.join(IMAGE_SUFFIXES)}"
         )
     if summary["run_clustered"]:
         print(
@@ -258,6 +263,17 @@ def _compare(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def add_source_argument(parser: argparse.ArgumentParser) -> None:
+    """`--data.shards` for a command that rebuilds a run's train set from its recorded source (run_source.py)."""
+    parser.add_argument(
+        SOURCE_FLAG,
+        dest="data_shards",
+        metavar="SHARDS",
+        help="the run's train shards, in place of the recorded data.shards (a recorded pipe: or http(s):// source "
+        "is used only when named here)",
+    )
+
+
 def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint",
@@ -296,6 +312,7 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
         help="train: SS-k-means of the unlabelled train samples (the reported metric); test: the held-out "
         "test split, each image to the nearest final centre",
     )
+    add_source_argument(p)
     add_checkpoint_argument(p)
 
 
@@ -306,6 +323,7 @@ def _tree_arguments(p: argparse.ArgumentParser) -> None:
         "--json",
         help="where to write the tree (default RUN_DIR/tree.json; RUN_DIR/tree-best.json for --checkpoint best)",
     )
+    add_source_argument(p)
     add_checkpoint_argument(p)
 
 
@@ -315,12 +333,14 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="FILE.jsonl or FILE.csv")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    add_source_argument(p)
     add_checkpoint_argument(p)
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, metavar="RUN_DIR")
     p.add_argument("--depth", type=int, default=4, help="depth of the tree picture (default 4)")
+    add_source_argument(p)
     add_checkpoint_argument(p)
 
 
@@ -341,6 +361,7 @@ def _estimate_k_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-max", type=int, help="largest K searched (default 4 x the known classes)")
     p.add_argument("--seeds", type=int, default=4, help="k-means runs averaged per K (default 4)")
     p.add_argument("--json", help="also write the result here")
+    add_source_argument(p)
 
 
 def _sweep_arguments(p: argparse.ArgumentParser) -> None:
@@ -409,18 +430,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the arguments that name files or folders: `~` there is the home folder even where no shell expanded it
+# (`--out=~/run`, a launcher's argument list)
+_PATH_ARGUMENTS = ("config", "out", "resume", "run", "images", "json", "features", "root", "paths", "data_shards")
+
+
+def _expand_user(args: argparse.Namespace) -> argparse.Namespace:
+    for name in _PATH_ARGUMENTS:
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            setattr(args, name, os.path.expanduser(value))
+        elif isinstance(value, list):
+            setattr(args, name, [os.path.expanduser(v) for v in value])
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _expand_user(build_parser().parse_args(argv))
     try:
         if getattr(args, "depth", 0) < 0:  # tree's and report's, checked before the run is read
             raise UsageError(f"--depth {args.depth}: the deepest code prefix shown must be 0 or more, e.g. --depth 4")
-        return args.func(args)
+        with typed_source(getattr(args, "data_shards", None)):
+            return args.func(args)
     except (config_mod.ConfigError, FileNotFoundError, FileExistsError, ValueError, DiskWriteError) as err:
         if getattr(args, "run", None) and not isinstance(err, UsageError):  # what a --run that is not there lacks
             from .run_reader import run_folder_problem
 
             err = run_folder_problem(args.run) or err
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {terminal_safe(str(err))}", file=sys.stderr)
         return 2
 
 

@@ -2,7 +2,9 @@
 ({"novel-7": "Blue Jay"}); `predict`, `report`, `tree` and `export` read them from there.
 
 A name is checked before anything is written: the cluster must be one of the run's novel clusters, and a name must be
-non-empty, usable as a folder name (`export` makes `labelled/<name>/`), and taken by no other cluster or known class.
+usable as a folder name on every common file system (`export` makes `labelled/<name>/`; file_names.py) and taken by
+no other cluster or known class. Reading names.json checks every name again with the same rule: a run folder from
+elsewhere, or a hand-edited names.json, is refused in one line.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 from pathlib import Path
 
 from .checkpoint import write_json
+from .file_names import name_problem
 
 NAMES = "names.json"
 
@@ -20,7 +23,19 @@ def read_names(run: str | Path) -> dict[int, str]:
     path = Path(run) / NAMES
     if not path.is_file():
         return {}
-    return {int(key.removeprefix("novel-")): name for key, name in json.loads(path.read_text()).items()}
+    names = {}
+    for key, name in json.loads(path.read_text()).items():
+        number = key.removeprefix("novel-")
+        if not (key.startswith("novel-") and number.isdecimal() and isinstance(name, str)):
+            raise ValueError(f"{path}: {key!r}: {name!r} is not novel-K: NAME; name the clusters with `infosieve name`")
+        problem = name_problem(name)
+        if problem:
+            raise ValueError(
+                f"{path}: novel-{number}={name!r} cannot be a folder name ({problem}); rename it with "
+                f"`infosieve name --run {path.parent} novel-{number}=NAME`"
+            )
+        names[int(number)] = name
+    return names
 
 
 def checkpoint_names(run: str | Path, checkpoint: str) -> dict[int, str]:
@@ -39,13 +54,13 @@ def parse_assignment(text: str) -> tuple[str, str]:
 
 
 def check_name(cluster: str, name: str) -> None:
-    """A name `export` can make a folder of: not empty, no slash, not `.` or `..`, no leading dot."""
+    """A name `export` can make a folder of on every common file system (file_names.py)."""
     if not name:
         raise ValueError(f"{cluster}= has an empty name: give it one, e.g. {cluster}=\"Blue Jay\"")
-    if "/" in name or "\\" in name or "\0" in name or name.startswith("."):
+    problem = name_problem(name)
+    if problem:
         raise ValueError(
-            f"{cluster}={name!r}: a name becomes the folder labelled/<name>/ on export, so it cannot contain / or \\ "
-            "or start with a dot: choose another"
+            f"{cluster}={name!r}: a name becomes the folder labelled/<name>/ on export, and {problem}: choose another"
         )
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import sys
 
 from . import distributed as dist
+from .shown_text import terminal_safe
 
 
 def notice(line: str) -> None:
     """`line` on stderr, once per run (rank 0 under torchrun)."""
     if dist.is_main_process():
-        print(f"infosieve: {line}", file=sys.stderr, flush=True)
+        print(f"infosieve: {terminal_safe(line)}", file=sys.stderr, flush=True)
 
 
 def error_line(err: BaseException) -> str:

@@ -57,6 +57,8 @@ from .discovery import cluster_name
 from .model import InfoSieve
 from .run_assignment import RunAssignments, content_hash, run_assignments
 from .run_reader import describe, load_run_checkpoint
+from .run_source import run_config
+from .shown_text import csv_safe, terminal_safe
 from .trainer_setup import resolve_device
 from .tree import code_strings
 
@@ -68,7 +70,7 @@ def model_from_run(run_dir: str | Path, device: torch.device, checkpoint: str = 
     """The run's model with its last (or best) checkpoint's weights (the backbone is built without
     `model.pretrained`: the weights come from the checkpoint), in eval mode, and the checkpoint."""
     state, _ = load_run_checkpoint(run_dir, checkpoint)
-    cfg = from_saved(state["config"])
+    cfg = run_config(state["config"], run_dir, reads_data=checkpoint == "best")  # the best's centres read the data
     cfg.model.pretrained = None
     model = InfoSieve(cfg.model, state["n_old"])
     model.load_state_dict(state["model"])
@@ -119,13 +121,13 @@ def shard_items(spec, image_keys: tuple[str, ...]) -> list[tuple[str, object]]:
         try:
             found, without = image_members(tar, image_keys)
         except (OSError, tarfile.ReadError) as exn:
-            print(f"infosieve predict: WARNING: skipped {tar}: {exn}", file=sys.stderr)
+            print(f"infosieve predict: WARNING: skipped {terminal_safe(f'{tar}: {exn}')}", file=sys.stderr)
             continue
         if without:
             keys = ", ".join(image_keys)
             print(
-                f"infosieve predict: WARNING: {without} sample(s) of {tar} have no image under any of the keys "
-                f"{keys}: skipped (set data.intake.image_keys in the run's config)",
+                f"infosieve predict: WARNING: {without} sample(s) of {terminal_safe(tar)} have no image under any of "
+                f"the keys {keys}: skipped (set data.intake.image_keys in the run's config)",
                 file=sys.stderr,
             )
         items += [(f"{Path(tar).name}/{key}", ShardImage(tar, a, n)) for key, a, n in found]
@@ -187,7 +189,10 @@ def _batches(
         try:
             return _load(item[1], shorter, channels, assignments)
         except Exception as exn:
-            print(f"infosieve predict: WARNING: skipped {item[0]}: {type(exn).__name__}: {exn}", file=sys.stderr)
+            print(
+                f"infosieve predict: WARNING: skipped {terminal_safe(f'{item[0]}: {type(exn).__name__}: {exn}')}",
+                file=sys.stderr,
+            )
             return None
 
     with ThreadPoolExecutor(4) as pool:
@@ -318,7 +323,7 @@ def _write(out: Path, records: list[dict]) -> None:
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=FIELDS)
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: csv_safe(v) for k, v in row.items()} for row in rows)
         f.write(text.getvalue().encode())
 
     ckpt.atomic_write(out, write)

@@ -27,6 +27,7 @@ from .data.shard_format import DISCOVERY
 from .data.shard_manifest import MANIFEST
 from .data.writing.encode import encode_pil
 from .run_reader import CLUSTERING
+from .shown_text import terminal_safe
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,8 @@ def run_assignments(run_dir: str | Path, shards: object, image_keys: tuple[str, 
     if not is_manifest_folder(shards):
         if not Path(shards).exists():
             print(
-                f"infosieve predict: WARNING: the run's shards {shards} are gone, so the images it clustered cannot "
-                "be recognised: each image goes to its nearest centre",
+                f"infosieve predict: WARNING: the run's shards {terminal_safe(str(shards))} are gone, so the images it "
+                "clustered cannot be recognised: each image goes to its nearest centre",
                 file=sys.stderr,
             )
         return None

@@ -11,6 +11,7 @@ RUN/unreadable.json  the train samples that could not be read (only when there a
 RUN/metrics.json     All/Old/New before and after training: the run's result
 RUN/clustering.npz   the final clustering of the unlabelled train samples, for `infosieve report`
 RUN/tensorboard/     the log's numbers as scalars (`train.tensorboard`)
+RUN/.lock            held while a run trains there: a second run on the folder is refused (run_lock.py)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .engine import Evaluation, Trainer, status_line
 from .evaluation import epoch_log
 from .model import Backbone
 from .preemption import MidEpoch, Preempted, StoppedAtOnce, StoppedMidEpoch, StopSignals
+from .run_lock import LOCK, held_run_folder
 from .run_reader import (
     BEST,
     BEST_CHECKPOINT,
@@ -48,7 +50,7 @@ from .run_reader import (
 from .trainer_setup import started_run
 
 # what a run killed before its first checkpoint can leave; a folder holding only these is started again
-_LEFTOVERS = {CONFIG, LOG, RESUMES, UNREADABLE, TENSORBOARD, fingerprint.FINGERPRINT, BEST_CHECKPOINT, BEST}
+_LEFTOVERS = {CONFIG, LOG, RESUMES, UNREADABLE, TENSORBOARD, fingerprint.FINGERPRINT, BEST_CHECKPOINT, BEST, LOCK}
 
 
 def train(
@@ -74,11 +76,13 @@ def train(
     (all ranks read the checkpoint to resume; rank 0 writes the folder).
     SIGTERM or SIGUSR1 stops the run at its next step or epoch boundary with a checkpoint, and raises `Preempted`
     (preemption.py); before the run's first evaluation (while its data and model are set up), or a second time, it
-    stops the run at once, its last checkpoint as it was.
+    stops the run at once, its last checkpoint as it was. The folder is locked for the call (run_lock.py): a folder
+    another live run holds is refused.
     """
     with contextlib.ExitStack() as stack:
         if device is None:
             device = stack.enter_context(started_run(cfg.train.device))
+        stack.enter_context(held_run_folder(Path(run_dir)))
         stop = stack.enter_context(StopSignals())
         try:
             return _train(cfg, Path(run_dir), device, resume, source, backbone, stop_after, list(overrides), stop)
@@ -161,7 +165,7 @@ def prepare_new_folder(run_dir: Path, device: torch.device) -> None:
                 "another --out"
             )
         raise FileExistsError(f"run folder {run_dir} is not empty (and not a run folder): choose another --out")
-    if run_dir.is_dir() and any(run_dir.iterdir()) and dist.is_main_process():
+    if dist.is_main_process() and any(p.name != LOCK for p in run_dir.iterdir()):  # rank 0's lock made it
         print(f"{run_dir} holds no checkpoint (the run was stopped before its first epoch ended): starting it again")
         ckpt.remove_temporary_files(run_dir)
         for name in (LOG, UNREADABLE, BEST_CHECKPOINT, BEST):

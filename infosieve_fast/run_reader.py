@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
-from .config import from_saved
 from .run_files import BEST_CHECKPOINT, CLUSTERING
+from .run_source import run_config
 from .tree import build_tree, code_strings
 
 if TYPE_CHECKING:  # the file readers (`compare`, the best checkpoint's) stay without the training stack
@@ -85,11 +85,12 @@ def trainer_from_run(run_dir: str | Path, checkpoint: str = "last") -> Trainer:
 
 
 def read_run(run_dir: str | Path, checkpoint: str = "last") -> tuple[Trainer, str]:
-    """`trainer_from_run`, and what it read: "last, epoch E" or "best (criterion, epoch E)"."""
+    """`trainer_from_run`, and what it read: "last, epoch E" or "best (criterion, epoch E)". The run's data source is
+    rebuilt from its config, checked first (run_source.py: a recorded command or URL runs only when typed)."""
     from .engine import Trainer
 
     state, read = load_run_checkpoint(run_dir, checkpoint)
-    trainer = Trainer(from_saved(state["config"]), pretrained=False)
+    trainer = Trainer(run_config(state["config"], run_dir), pretrained=False)
     trainer.load_model_state(state)
     return trainer, read
 

@@ -98,7 +98,7 @@ def test_names_are_checked_before_any_is_written(run, capsys):
         (["novel-3=Jay"], "has no cluster 'novel-3': its novel clusters are novel-5 to novel-9"),
         (["novel-12=Jay"], "has no cluster 'novel-12'"),
         (["novel-5=  "], "novel-5= has an empty name"),
-        (["novel-5=a/b"], "cannot contain /"),
+        (["novel-5=a/b"], "it holds / (path separators"),
         (["novel-5=Jay", "novel-6=Jay"], "novel-6='Jay': that name is taken by novel-5"),
         ([f"novel-5={known[0]}"], "that name is taken by a known class"),
         (["novel-5=novel-6"], "novel-5='novel-6': that name is taken by novel-6"),

@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from ... import distributed as dist
 from ...config import DataConfig, IntakeConfig
 from ...metrics import NO_LABEL
+from ...shown_text import terminal_safe
 from ...worker_processes import start_reader_worker
 from ..shard_format import DISCOVERY
 from ..shard_manifest import ManifestError, read_manifest, shard_file_problems
@@ -85,7 +86,7 @@ def decode_image(data) -> Tensor:
 
 
 def _report(msg: str) -> None:
-    print(f"infosieve data: WARNING: {msg}", file=sys.stderr, flush=True)
+    print(f"infosieve data: WARNING: {terminal_safe(msg)}", file=sys.stderr, flush=True)
 
 
 def _shared_uint8(shape: tuple[int, ...]) -> Tensor:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ...checkpoint import atomic_write
+from ...shown_text import terminal_safe
 from ...worker_processes import forked_pool
 from ..shard_format import DISCOVERY
 from ..shard_manifest import ORDER_SEED, PROP, SPLIT_SEED, ShardsError, file_sha256
@@ -96,7 +97,8 @@ def _add_sample(tar: tarfile.TarFile, plan: Plan, pos: int, image_key: str, data
 
 def _skipped(plan: Plan, pos: int, error: str) -> dict:
     """The manifest's record of sample `pos`, whose image did not read or decode; reported on stderr."""
-    print(f"make-shards: skipped {plan.names[pos]} ({plan.split}): {error}", file=sys.stderr)
+    name, why = terminal_safe(plan.names[pos]), terminal_safe(error)  # file names can hold escape sequences
+    print(f"make-shards: skipped {name} ({plan.split}): {why}", file=sys.stderr)
     return {
         "split": plan.split,
         "uq": int(plan.uq[pos]),

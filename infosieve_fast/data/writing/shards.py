@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...shown_text import terminal_safe
 from ...wording import counted
 from ..shard_format import DISCOVERY, IMAGE_FORMATS, resized_size
 from ..shard_manifest import (
@@ -104,7 +105,7 @@ def make_shards(
     fingerprint = settings_fingerprint(raw, resize, codec, shard_size_mb, holdout, holdout_seed)
     out.mkdir(parents=True, exist_ok=True)
     prev = check_out(out, dataset, fingerprint)
-    log = (lambda msg: print(f"make-shards: {msg}", file=sys.stderr)) if progress else (lambda msg: None)
+    log = (lambda msg: print(f"make-shards: {terminal_safe(msg)}", file=sys.stderr)) if progress else (lambda msg: None)
     _log_split(dataset, raw, counts, log)
     done, redo = {"train": [], "test": []}, {"train": [], "test": []}
     if prev is not None and prev.get("format") == FORMAT and "splits" in prev:  # a manifest: verify, repair
@@ -217,8 +218,8 @@ def _log_written(out: Path, dataset: str, raw: RawDataset, train: Plan, manifest
     if dataset == DISCOVERY:
         for name in _classes_left_unlabelled(raw, train, manifest["skipped"]):
             print(
-                f"make-shards: WARNING: every labelled image of labelled/{name}/ is unreadable, so the class has no "
-                "labelled image to anchor its cluster: replace its images or remove the folder, then run "
+                f"make-shards: WARNING: every labelled image of labelled/{terminal_safe(name)}/ is unreadable, so the "
+                "class has no labelled image to anchor its cluster: replace its images or remove the folder, then run "
                 "make-shards again into a new --out",
                 file=sys.stderr,
             )
@@ -319,7 +320,7 @@ def run_cli(args: argparse.Namespace) -> int:
             holdout_seed=args.holdout_seed,
         )
     except (ShardsError, LayoutError) as exn:
-        print(f"make-shards: error: {exn}", file=sys.stderr)
+        print(f"make-shards: error: {terminal_safe(str(exn))}", file=sys.stderr)
         return 2
     print(
         json.dumps(
