@@ -54,6 +54,7 @@ from .data.reading.stream import decode_image
 from .data.reading.tar import IMAGE_KEYS, image_members, read_span
 from .data.shard_format import IMAGE_SUFFIXES
 from .discovery import cluster_name
+from .limits import open_image
 from .model import InfoSieve
 from .run_assignment import RunAssignments, content_hash, run_assignments
 from .run_reader import describe, load_run_checkpoint
@@ -166,7 +167,7 @@ def _load(
         im = Image.fromarray(img.permute(1, 2, 0).numpy())
         key = None if assignments is None else content_hash(data)
     else:
-        with Image.open(source) as im:
+        with open_image(source) as im:
             im = im.convert("RGB")
         key = None if assignments is None else assignments.stored_key(im)
     im = resize_image(im, shorter)

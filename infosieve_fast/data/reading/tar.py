@@ -18,11 +18,13 @@ import re
 import struct
 import tarfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
+
+from ...limits import check_image_pixels
 
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 IMAGE_KEYS = ("jpg", "png")  # a sample's image, by the shards' --image-format
@@ -65,15 +67,15 @@ def open_mmap(path: str) -> mmap.mmap:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
-def _member_spans(mm: mmap.mmap) -> Iterator[tuple[str, int, int]]:
+def _member_spans(mm: mmap.mmap) -> Generator[tuple[str, int, int], None, bool]:
     """(name, data offset, data length) of every regular file, in order; damage raises `tarfile.ReadError` after the
-    members before it."""
+    members before it. Returns whether the walk ended at the end-of-archive marker."""
     size = len(mm)
     pos, long_name, pax = 0, None, {}
     while pos + 512 <= size:
         hdr = mm[pos : pos + 512]
         if hdr.count(0) == 512:
-            return  # end-of-archive marker
+            return True  # end-of-archive marker (the generator's return value: `ends_with_marker`)
         if _octal(hdr[148:156]) != sum(hdr) - sum(hdr[148:156]) + 256:
             raise tarfile.ReadError(f"bad header checksum at byte {pos:,}: damaged archive")
         n = _octal(hdr[124:136])
@@ -101,6 +103,7 @@ def _member_spans(mm: mmap.mmap) -> Iterator[tuple[str, int, int]]:
         yield name, start, n
     if pos < size:
         raise tarfile.ReadError(f"{size - pos} stray bytes at the end: truncated")
+    return False
 
 
 def sample_spans(mm: mmap.mmap, flush_at_damage: bool = False) -> Iterator[tuple[str, dict[str, tuple[int, int]]]]:
@@ -125,6 +128,26 @@ def sample_spans(mm: mmap.mmap, flush_at_damage: bool = False) -> Iterator[tuple
         raise
     if key is not None:
         yield key, parts
+
+
+def ends_with_marker(path: str) -> bool:
+    """The tar at `path` reads to its end-of-archive marker (the zero block tar writes after the last member): a
+    tar cut short between two members reads as a whole one with fewer samples, and only the marker tells them apart."""
+    try:
+        mm = open_mmap(path)
+    except tarfile.ReadError:  # an empty file
+        return False
+    spans = _member_spans(mm)
+    try:
+        while True:
+            next(spans)
+    except StopIteration as end:
+        return end.value
+    except tarfile.ReadError:
+        return False
+    finally:
+        spans.close()
+        mm.close()
 
 
 def tar_members(path: str) -> Iterator[tuple[str, bytes]]:
@@ -335,7 +358,9 @@ def index_shard(path: str, keys: SampleKeys = SampleKeys()) -> tuple[np.ndarray,
                 continue
             a, n = next(parts[k] for k in keys.image if k in parts)
             try:
-                rows.append((a, n, *image_hw(mm, a, a + n), *keys.read(mm, parts)))
+                hw = image_hw(mm, a, a + n)
+                check_image_pixels(*hw)  # refused here, it never counts towards a cache's size or a batch's canvas
+                rows.append((a, n, *hw, *keys.read(mm, parts)))
             except ValueError as exn:
                 unreadable.append(f"{key if key.isprintable() else repr(key)}: {exn}")  # a name may hold a newline
     except tarfile.ReadError as exn:
