@@ -9,7 +9,7 @@ classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k i
 or what `infosieve name` named it (RUN/names.json).
 
 `PATH` can be one of:
-- an image folder, searched recursively;
+- an image folder, searched recursively, or one image file;
 - a text file listing image paths, one per line, relative to the file's folder;
 - shards, whose samples are named `shard.tar/key`: a `make-shards` folder, a folder of WebDataset tars, a .tar, a brace
   pattern or a glob. One walk over the tar headers finds every image (the first of the run's
@@ -117,11 +117,14 @@ def shard_items(spec, image_keys: tuple[str, ...]) -> list[tuple[str, object]]:
     samples without an image and unreadable shards are reported (counted) and skipped."""
     items: list[tuple[str, object]] = []
     for tar in shard_paths(spec):
+        damage: list[str] = []
         try:
-            found, without = image_members(tar, image_keys)
+            found, without = image_members(tar, image_keys, damage)
         except (OSError, tarfile.ReadError) as exn:
             print(f"infosieve predict: WARNING: skipped {tar}: {exn}", file=sys.stderr)
             continue
+        for problem in damage:  # the samples before it are sorted, as training reads them
+            print(f"infosieve predict: WARNING: {tar}: {problem}", file=sys.stderr)
         if without:
             keys = ", ".join(image_keys)
             print(
@@ -146,8 +149,16 @@ def image_items(
         if not_images is not None:
             not_images += [p for p in files if not _is_image(p)]
         return [(str(p), p) for p in files if _is_image(p)]
+    if path.is_file() and _is_image(path):  # one image
+        return [(str(path), path)]
     if path.is_file():
-        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        try:
+            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"--images {path} is neither an image (a file ending in {', '.join(IMAGE_SUFFIXES)}) nor a list of "
+                "image paths (UTF-8 text, one per line)"
+            ) from None
         return [(line, path.parent / line) for line in lines]
     raise FileNotFoundError(f"--images {path} is neither an image folder, a list file nor shards")
 

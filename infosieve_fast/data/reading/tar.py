@@ -171,24 +171,32 @@ def tar_samples(path: str) -> Iterator[dict]:
         mm.close()
 
 
-def image_members(path: str, image_keys: tuple[str, ...]) -> tuple[list[tuple[str, int, int]], int]:
+def image_members(
+    path: str, image_keys: tuple[str, ...], damage: list[str] | None = None
+) -> tuple[list[tuple[str, int, int]], int]:
     """((key, offset, length) of each sample's image: the first of `image_keys` present, in storage order; the number
-    of samples with none of them). A compressed or damaged shard raises `tarfile.ReadError` with what to do."""
+    of samples with none of them). A compressed shard raises `tarfile.ReadError` with what to do; so does a damaged
+    one, unless `damage` is given: then the samples before the damage are returned (as `index_shard` keeps them for
+    training) and the damage is appended to `damage`."""
     mm = open_mmap(path)
+    found, without = [], 0
     try:
         kind = compression(mm[:512])
         if kind is not None:
             raise tarfile.ReadError(compressed_shard_problem(path, kind))
-        found, without = [], 0
-        for key, parts in sample_spans(mm):
+        for key, parts in sample_spans(mm, flush_at_damage=damage is not None):
             span = next((parts[k] for k in image_keys if k in parts), None)
             if span is None:
                 without += 1
             else:
                 found.append((key, *span))
-        return found, without
+    except tarfile.ReadError as exn:
+        if damage is None or kind is not None:
+            raise
+        damage.append(f"{exn}; the samples after the damage are unreadable")
     finally:
         mm.close()
+    return found, without
 
 
 def read_span(path: str, offset: int, length: int) -> bytes:
