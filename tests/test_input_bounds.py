@@ -25,6 +25,7 @@ from infosieve_fast.data.reading.stream import decode_image
 from infosieve_fast.data.reading.tar import SampleKeys, index_shard
 from infosieve_fast.data.writing.cifar_pickle import read_batch
 from infosieve_fast.data.writing.encode import encode_job
+from infosieve_fast.data.writing.layouts import read_dataset
 
 from .test_fuzz_shards import png_header
 
@@ -172,9 +173,12 @@ class _Hostile:
 
 def test_a_cifar_batch_that_calls_a_function_is_refused_and_runs_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data_batch_1").write_bytes(pickle.dumps({b"data": _Hostile()}, protocol=4))
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]:
+        (folder / name).write_bytes(pickle.dumps({b"data": _Hostile()}, protocol=4))
     with pytest.raises(ValueError, match=r"data_batch_1 is not a CIFAR batch file \(it calls posix.system"):
-        read_batch(tmp_path / "data_batch_1")
+        read_dataset("cifar10", tmp_path)  # what make-shards --dataset cifar10 reads
     assert not (tmp_path / "PWNED").exists()
 
 
@@ -189,3 +193,27 @@ def test_a_real_format_cifar_batch_still_loads(tmp_path, protocol):
     got = read_batch(tmp_path / "b")
     assert got["labels"] == [3, 7] and got["batch_label"] == b"training batch 1 of 5"
     np.testing.assert_array_equal(got["data"], data)
+
+
+def test_a_make_shards_label_outside_the_manifest_classes_is_refused_naming_the_shard(tmp_path):
+    from infosieve_fast.data.reading.stream import ShardSource
+    from infosieve_fast.data.shard_manifest import ManifestError
+    from infosieve_fast.data.writing.shards import make_shards
+
+    root = tmp_path / "images"
+    for name in ("labelled/a", "labelled/b", "unlabelled"):
+        (root / name).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (10, 12), (40 * i, 0, 0)).save(root / name / f"{i}.png")
+    make_shards("discovery", root, tmp_path / "out", resize=8, workers=1, progress=False)
+    [shard] = sorted((tmp_path / "out").glob("*-train-*.tar"))
+    with tarfile.open(shard) as tar:
+        cls = next(m for m in tar.getmembers() if m.name.endswith(".cls") and tar.extractfile(m).read() == b"1")
+    data = bytearray(shard.read_bytes())
+    data[cls.offset_data] = ord("7")  # the same length: the shard's recorded size still matches
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ManifestError) as err:
+        ShardSource(tmp_path / "out", num_workers=0, cache="off", intake=IntakeConfig(index_cache=str(tmp_path / "i")))
+    assert str(err.value).startswith(
+        f"{shard}: sample uq "
+    ) and "has the .cls label 7, outside the manifest's 2" in str(err.value)
