@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
@@ -12,6 +13,7 @@ from . import config as config_mod
 from . import distributed
 from .checkpoint import DiskWriteError
 from .data.writing import shards
+from .loss_monitor import NonFiniteLoss
 from .preemption import PREEMPTED_EXIT, Preempted
 from .run_source import SOURCE_FLAG, refuse_fetches, typed_source
 from .shown_text import terminal_safe
@@ -86,6 +88,9 @@ def _interruptible(run, run_dir: Path) -> None:
         if distributed.is_main_process():
             print(f"preempted: {stopped}", file=sys.stderr)
         raise SystemExit(PREEMPTED_EXIT) from None
+    except NonFiniteLoss as err:  # the run folder holds the last good checkpoint: the message says what to change
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     except DiskWriteError as err:  # the last durable checkpoint and log stay readable: say so, no traceback
         print(
             f"error: {err}. Free space (or make the folder writable), then continue with "
@@ -329,7 +334,7 @@ def _tree_arguments(p: argparse.ArgumentParser) -> None:
 
 def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, metavar="RUN_DIR")
-    p.add_argument("--images", required=True, metavar="PATH", help="an image folder, a list file or a shards folder")
+    p.add_argument("--images", required=True, metavar="PATH", help="an image, an image folder, a list file or shards")
     p.add_argument("--out", required=True, metavar="FILE", help="FILE.jsonl or FILE.csv")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -459,6 +464,28 @@ def main(argv: list[str] | None = None) -> int:
             err = run_folder_problem(args.run) or err
         print(f"error: {terminal_safe(str(err))}", file=sys.stderr)
         return 2
+    except OSError as err:  # a folder that cannot be written (read-only, full), a download that failed
+        print(f"error: {os_error_line(err)}", file=sys.stderr)
+        return 1
+
+
+_OS_ERROR_FIX = {
+    errno.ENOSPC: "free space there, or choose another folder",
+    errno.EDQUOT: "free space there, or choose another folder",
+    errno.EROFS: "choose a folder you can write to",
+    errno.EACCES: "choose a folder you can write to, or fix its permissions",
+    errno.EPERM: "choose a folder you can write to, or fix its permissions",
+}
+
+
+def os_error_line(err: OSError) -> str:
+    """An OSError as one line: the file, the system's words and errno, and the fix for the common ones (a
+    ConnectionError of the shard download carries its own message)."""
+    if err.errno is None or err.strerror is None:
+        return " ".join(str(err).split())
+    where = f"{err.filename}: " if err.filename is not None else ""
+    fix = _OS_ERROR_FIX.get(err.errno)
+    return f"{where}{err.strerror} (errno {err.errno}){'; ' + fix if fix else ''}"
 
 
 if __name__ == "__main__":

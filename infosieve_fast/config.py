@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from .config_checks import CHOICES, ConfigError, check_ranges, check_rules
+from .yaml_text import load_yaml
 
 
 @dataclass
@@ -351,7 +352,10 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = load_yaml(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r} is not valid YAML: {' '.join(str(err).split())}") from None
     return values
 
 
@@ -387,7 +391,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), saved: bool 
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: pass an existing YAML file (see configs/)")
         try:
-            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            values = load_yaml(path.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as err:
             raise ConfigError(f"config file {path} is not UTF-8 text ({err}): save it as UTF-8") from None
         except yaml.YAMLError as err:  # PyYAML's text spans lines: one line here

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .limits import MAX_CLASSES, MAX_IMAGE_PIXELS, MAX_SEED
+
 if TYPE_CHECKING:
     from .config import Config
 
@@ -63,9 +65,10 @@ class Range:
 
     def values(self) -> str:
         """'>= 1', '> 0' or 'in [0, 1]'."""
+        low, high = _number(self.low), _number(self.high)
         if self.high is None:
-            return f"{'>' if self.open_low else '>='} {self.low:g}"
-        return f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+            return f"{'>' if self.open_low else '>='} {low}"
+        return f"in {'(' if self.open_low else '['}{low}, {high}{')' if self.open_high else ']'}"
 
     def error(self, key: str, value: float) -> str:
         verb = "be" if self.high is None else "lie"
@@ -73,9 +76,15 @@ class Range:
         return f"{key} must {verb} {self.values()}{null}, got {value!r}: set --set {key}=<a value {self.values()}>"
 
 
+def _number(value: float | None) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)  # an int in full: a seed's bound is 4294967295
+
+
 _POSITIVE = Range(0.0, open_low=True)
 _SHARE = Range(0.0, 1.0)
 _SIZE = Range(1)
+_SEED = Range(0, MAX_SEED)  # what NumPy's and PyTorch's generators take
+_SIDE = Range(1, math.isqrt(MAX_IMAGE_PIXELS))  # an image side: a square of it stays within the decoders' limit
 
 # The range of every numeric setting. Every other setting is a bool, one of `CHOICES`, or checked by name in
 # `check_rules`; tests/test_config_ranges.py holds a bad value for each key of model, loss, optim, schedule, kmeans.
@@ -106,8 +115,8 @@ RANGES = {
     "schedule.age_max": _POSITIVE,
     # the positional base falls from base_start by up to 1 over the run, and base^-k needs a positive base
     "schedule.base_start": Range(1.0, open_low=True),
-    "kmeans.n_init": _SIZE,
-    "kmeans.max_iter": _SIZE,
+    "kmeans.n_init": Range(1, 1000),
+    "kmeans.max_iter": Range(1, 10_000),  # the reference runs 10 iterations per round (sklearn's default: 300)
     "kmeans.tol": Range(0.0),
     "kmeans.cluster_size": Range(1, null="ceil(N / K)"),
     "data.batch_size": Range(2),
@@ -115,13 +124,22 @@ RANGES = {
     "data.labelled_share": Range(0.0, 1.0, null="the reference's sampler weights"),
     "data.gpu_cache_share": Range(0.0, 1.0, open_low=True),
     "data.max_aspect": Range(1.0, null="no cap"),
-    "data.resize": Range(1, null="the manifest's resize, 256 for foreign shards"),
+    "data.resize": Range(1, _SIDE.high, null="the manifest's resize, 256 for foreign shards"),
+    "data.crop_size": _SIDE,
+    "data.color_jitter": Range(0.0),
+    "data.num_workers": Range(0, 256),
+    "data.memory_threshold_mb": Range(0.0),
     "data.intake.labelled_prop": Range(0.0, 1.0, open_low=True),
-    "data.intake.split_seed": Range(0),
+    "data.intake.split_seed": _SEED,
+    "data.digits.split_seed": _SEED,
+    "data.digits.image_size": _SIDE,
+    "train.seed": _SEED,
+    "train.max_steps_per_epoch": Range(1, null="a full epoch"),
+    "train.train_subset": Range(1, null="every train sample"),
     "train.check_every": _SIZE,
     "train.eval_every": Range(0),
     "checkpoint.holdout_fraction": Range(0.0, 1.0, open_low=True, open_high=True),
-    "checkpoint.holdout_seed": Range(0),
+    "checkpoint.holdout_seed": _SEED,
     "checkpoint.keep_last": Range(1, null="only the last checkpoint (and the best one)"),
 }
 
@@ -143,8 +161,9 @@ def check_rules(cfg: Config) -> None:
         raise ConfigError("model.pretrained must be a checkpoint file or null (no pretrained weights), got ''")
     _check_backbone_kwargs(m.backbone_kwargs, cfg.data.crop_size)
     k = cfg.kmeans.n_clusters
-    if k is not None and k != "auto" and not (isinstance(k, int) and k >= 2):
-        raise ConfigError(f"kmeans.n_clusters must be null, an integer >= 2 or auto, got {k!r}")
+    if k is not None and k != "auto" and not (isinstance(k, int) and 2 <= k <= MAX_CLASSES):
+        raise ConfigError(f"kmeans.n_clusters must be null, an integer in [2, {MAX_CLASSES:,}] or auto, got {k!r}")
+    _check_normalisation(cfg.data.mean, cfg.data.std)
     if cfg.data.source == "digits":
         check_clusters_for_known(k, cfg.data.digits.known_classes)
     km = cfg.kmeans
@@ -187,6 +206,15 @@ def check_clusters_for_known(n_clusters: int | str | None, n_old: int) -> None:
             f"kmeans.n_clusters={n_clusters} is fewer than the data's {n_old} known classes, each of which needs its "
             f"own cluster: set kmeans.n_clusters >= {n_old} (above it to leave clusters for new categories), or auto"
         )
+
+
+def _check_normalisation(mean: list, std: list) -> None:
+    """data.mean and data.std: one finite number per channel, the std's above 0 (it divides)."""
+    for key, values, low in (("data.mean", mean, None), ("data.std", std, 0.0)):
+        numbers = isinstance(values, list) and values and all(isinstance(v, (int, float)) for v in values)
+        if not numbers or not all(map(math.isfinite, values)) or (low is not None and min(values) <= low):
+            what = "> 0" if low is not None else "finite"
+            raise ConfigError(f"{key} must be a list of numbers {what}, one per channel, got {values!r}")
 
 
 def _check_pins(pins: dict | None) -> None:

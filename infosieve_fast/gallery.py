@@ -16,6 +16,7 @@ import numpy as np
 
 from .cluster_places import place_clusters, place_text
 from .discovery import cluster_name
+from .limits import open_image
 from .metrics import NO_LABEL
 from .pool_view import PoolView, pool_view
 from .run_images import RunImages, run_images
@@ -53,9 +54,7 @@ def thumbnail(source: Path, target: Path) -> None:
     """`source` shrunk to `THUMB_SIZE` pixels on its longer side, as a JPEG at `target`; written once."""
     if target.is_file():
         return
-    from PIL import Image
-
-    with Image.open(source) as im:
+    with open_image(source) as im:
         im = im.convert("RGB")
         im.thumbnail((THUMB_SIZE, THUMB_SIZE))
     target.parent.mkdir(parents=True, exist_ok=True)

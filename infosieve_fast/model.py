@@ -161,12 +161,14 @@ def build_backbone(
     timm model) + a local checkpoint."""
     from . import backbones
 
-    registered = backbones.build(cfg.backbone, cfg.pretrained, cfg.backbone_kwargs) if net is None else None
+    with _naming_backbone_kwargs(cfg):
+        registered = backbones.build(cfg.backbone, cfg.pretrained, cfg.backbone_kwargs) if net is None else None
     if registered is not None:  # a backbone named in backbones.py (it loads its own weights)
         net, feat_dim = registered, registered.num_features
     elif net is None:
         try:
-            net = timm.create_model(cfg.backbone, pretrained=False, num_classes=0, **cfg.backbone_kwargs)
+            with _naming_backbone_kwargs(cfg):
+                net = timm.create_model(cfg.backbone, pretrained=False, num_classes=0, **cfg.backbone_kwargs)
         except RuntimeError as err:  # timm raises RuntimeError for unknown model names
             raise ValueError(f"model.backbone={cfg.backbone!r} is not a timm model: {err}") from err
         feat_dim = net.num_features
@@ -175,6 +177,27 @@ def build_backbone(
     elif feat_dim is None:
         raise ValueError("a custom backbone module needs its feat_dim")
     return Backbone(net, feat_dim, cfg.grad_from_block, frozen_bf16, checkpoint_trained)
+
+
+@contextlib.contextmanager
+def _naming_backbone_kwargs(cfg: ModelConfig):
+    """A backbone's constructor refusing model.backbone_kwargs (a TypeError deep in timm) as one line naming the key
+    and the backbone."""
+    try:
+        yield
+    except TypeError as err:
+        if not cfg.backbone_kwargs:
+            raise
+        unknown = re.search(r"unexpected keyword argument '([^']+)'", str(err))
+        if unknown:
+            raise ValueError(
+                f"model.backbone_kwargs.{unknown.group(1)} is not an argument of the backbone {cfg.backbone!r}: drop "
+                "it, or check its name against the backbone's constructor"
+            ) from err
+        raise ValueError(
+            f"model.backbone_kwargs {cfg.backbone_kwargs} do not fit the backbone {cfg.backbone!r} ({err}): check "
+            "their values against the backbone's constructor"
+        ) from err
 
 
 def load_backbone_weights(net: nn.Module, path: str | Path) -> None:

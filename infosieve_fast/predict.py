@@ -9,7 +9,7 @@ classes: SS-k-means anchors labelled class c to cluster c. Any other cluster k i
 or what `infosieve name` named it (RUN/names.json).
 
 `PATH` can be one of:
-- an image folder, searched recursively;
+- an image folder, searched recursively, or one image file;
 - a text file listing image paths, one per line, relative to the file's folder;
 - shards, whose samples are named `shard.tar/key`: a `make-shards` folder, a folder of WebDataset tars, a .tar, a brace
   pattern or a glob. One walk over the tar headers finds every image (the first of the run's
@@ -54,6 +54,7 @@ from .data.reading.stream import decode_image
 from .data.reading.tar import IMAGE_KEYS, image_members, read_span
 from .data.shard_format import IMAGE_SUFFIXES
 from .discovery import cluster_name
+from .limits import open_image
 from .model import InfoSieve
 from .run_assignment import RunAssignments, content_hash, run_assignments
 from .run_reader import describe, load_run_checkpoint
@@ -118,11 +119,14 @@ def shard_items(spec, image_keys: tuple[str, ...]) -> list[tuple[str, object]]:
     samples without an image and unreadable shards are reported (counted) and skipped."""
     items: list[tuple[str, object]] = []
     for tar in shard_paths(spec):
+        damage: list[str] = []
         try:
-            found, without = image_members(tar, image_keys)
+            found, without = image_members(tar, image_keys, damage)
         except (OSError, tarfile.ReadError) as exn:
             print(f"infosieve predict: WARNING: skipped {terminal_safe(f'{tar}: {exn}')}", file=sys.stderr)
             continue
+        for problem in damage:  # the samples before it are sorted, as training reads them
+            print(f"infosieve predict: WARNING: {tar}: {problem}", file=sys.stderr)
         if without:
             keys = ", ".join(image_keys)
             print(
@@ -147,8 +151,16 @@ def image_items(
         if not_images is not None:
             not_images += [p for p in files if not _is_image(p)]
         return [(str(p), p) for p in files if _is_image(p)]
+    if path.is_file() and _is_image(path):  # one image
+        return [(str(path), path)]
     if path.is_file():
-        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        try:
+            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"--images {path} is neither an image (a file ending in {', '.join(IMAGE_SUFFIXES)}) nor a list of "
+                "image paths (UTF-8 text, one per line)"
+            ) from None
         return [(line, path.parent / line) for line in lines]
     raise FileNotFoundError(f"--images {path} is neither an image folder, a list file nor shards")
 
@@ -168,7 +180,7 @@ def _load(
         im = Image.fromarray(img.permute(1, 2, 0).numpy())
         key = None if assignments is None else content_hash(data)
     else:
-        with Image.open(source) as im:
+        with open_image(source) as im:
             im = im.convert("RGB")
         key = None if assignments is None else assignments.stored_key(im)
     im = resize_image(im, shorter)

@@ -48,6 +48,7 @@ from .run_reader import (
     UNREADABLE,
 )
 from .trainer_setup import started_run
+from .weight_check import check_weights
 
 # what a run killed before its first checkpoint can leave; a folder holding only these is started again
 _LEFTOVERS = {CONFIG, LOG, RESUMES, UNREADABLE, TENSORBOARD, fingerprint.FINGERPRINT, BEST_CHECKPOINT, BEST, LOCK}
@@ -350,6 +351,7 @@ def train_and_record_epoch(
     per_epoch_peak = reset_peak_memory(trainer.device)
     with best.training(trainer):
         record = trainer.train_epoch(epoch)
+    check_weights(trainer.model, epoch, cfg.optim.lr)  # before anything evaluates or saves them
     best.judge(trainer.evaluator(), record)
     every = cfg.train.eval_every
     if every and (epoch + 1) % every == 0:

@@ -64,10 +64,22 @@ def atomic_write(path: Path, write) -> None:
     except BaseException as err:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError) and not isinstance(err, DiskWriteError):
+        refused = _refused_write(err)
+        if refused is not None:
             kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
-            raise DiskWriteError.naming(path, err, kept) from err
+            raise DiskWriteError.naming(path, refused, kept) from err
         raise
+
+
+def _refused_write(err: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `err` itself, or the one `torch.save` met while writing (it raises a
+    RuntimeError of its own, "unexpected pos", with the OSError only as its context); None for any other error."""
+    if isinstance(err, DiskWriteError):
+        return None
+    if isinstance(err, OSError):
+        return err
+    context = err.__context__ if isinstance(err, RuntimeError) else None
+    return context if isinstance(context, OSError) and not isinstance(context, DiskWriteError) else None
 
 
 class CheckpointError(ValueError):

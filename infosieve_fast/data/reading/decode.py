@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...limits import check_image_pixels
 from ..shard_format import resized_size
-from .tar import PNG_MAGIC
+from .tar import PNG_MAGIC, image_hw
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29 deprecates its image codecs
@@ -83,11 +84,25 @@ def _is_png(encoded: Tensor) -> bool:
     return bytes(encoded[:8].tolist()) == PNG_MAGIC
 
 
+def as_buffer(data: bytes | memoryview | Tensor) -> Tensor:
+    """Encoded image bytes as a CPU uint8 tensor, its size checked (`check_header_size`)."""
+    buf = data if isinstance(data, Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    check_header_size(buf)
+    return buf
+
+
+def check_header_size(encoded: Tensor) -> None:
+    """`limits.ImageTooLarge` when the image's header claims more pixels than any decoder may allocate; ValueError
+    when it has no header to read the size from. Runs before every decode: the header is a few bytes, the decoded
+    image of a forged one gigabytes."""
+    check_image_pixels(*image_hw(memoryview(encoded.numpy())))
+
+
 def decode_cpu(data: bytes | memoryview | Tensor) -> Tensor:
     """JPEG or PNG bytes -> RGB uint8 [3, H, W] (the format is read from the bytes). A 16-bit PNG (another tool's
     shard) keeps its high byte, as torchvision's `convert_image_dtype` does: torchvision decodes it to uint16, which a
     uint8 batch would otherwise wrap."""
-    buf = data if isinstance(data, Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = as_buffer(data)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if _is_png(buf):
@@ -158,7 +173,7 @@ def decode_gpu(encoded: list[Tensor], device: torch.device, counts: DecodeCounts
     the PNGs on the CPU. When the nvJPEG call fails, its JPEGs are decoded on the CPU instead and moved to `device`
     (counted in `counts.gpu_fallback`, the first error kept in `counts.gpu_error`); None only for an image that the
     CPU cannot decode either."""
-    png = [_is_png(e) for e in encoded]
+    png = [_is_png(e) or not _fits(e) for e in encoded]  # an image too large is refused by the CPU decoder
     jpeg_at = [i for i, p in enumerate(png) if not p]
     on_cpu = [i for i, p in enumerate(png) if p]
     out: list[Tensor | None] = [None] * len(encoded)
@@ -177,6 +192,14 @@ def decode_gpu(encoded: list[Tensor], device: torch.device, counts: DecodeCounts
             out[i] = img.to(device, non_blocking=True)
             counts.cpu += 1
     return out
+
+
+def _fits(encoded: Tensor) -> bool:
+    try:
+        check_header_size(encoded)
+        return True
+    except ValueError:
+        return False
 
 
 def _decode_cpu_or_none(encoded: Tensor) -> Tensor | None:

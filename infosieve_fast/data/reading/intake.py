@@ -35,6 +35,7 @@ import numpy as np
 
 from ...checkpoint import atomic_write
 from ...config import IntakeConfig
+from ...limits import MAX_CLASSES
 from ..shard_manifest import MANIFEST, ManifestError
 from ..splits import gcd_split
 from .remote import SHARD_SUFFIXES, fetch_all, is_remote
@@ -204,6 +205,11 @@ class ForeignKeys(SampleKeys):
             cid = int(text)
             if cid < 0 or (self.class_names and cid >= len(self.class_names)):
                 raise ValueError(f"label {cid} is outside the class list's ids 0..{len(self.class_names) - 1}")
+            if cid >= MAX_CLASSES:  # the class count is the largest id + 1: one damaged label would size every table
+                raise ValueError(
+                    f"label {cid:,} is above the largest class id taken, {MAX_CLASSES - 1:,} (set "
+                    "data.intake.class_list to name the classes)"
+                )
             return cid
         if text in self._ids:
             return self._ids[text]

@@ -9,6 +9,12 @@ process of each machine fetches while the others wait.
 
 A shard pinned in `data.intake.sha256` (URL -> SHA-256) is hashed after its download and on every later open from the
 cache: a file that differs is removed and refused, naming the URL and both hashes.
+
+An HTTP download ends with an error when a read waits more than `TIMEOUT_S`, when less than `MIN_RATE` bytes/s arrive
+over any `RATE_WINDOW_S` (a server that trickles a byte now and then never hits the read timeout), or when it runs
+past `DEADLINE_S` in all. A body without a Content-Length (and not chunked) carries no proof that it is whole: it is
+kept only when it is a tar that reads to its end-of-archive marker (or a compressed shard, which the reader refuses
+anyway, naming the fix).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,10 +32,14 @@ from tqdm import tqdm
 
 from ... import distributed as dist
 from ...checkpoint import atomic_write, file_sha256
+from .tar import compression, ends_with_marker
 
 REMOTE_PREFIXES = ("pipe:", "http://", "https://")
 CHUNK = 1 << 20
 TIMEOUT_S = 60  # a server that sends nothing for this long fails the download
+MIN_RATE = 1024  # bytes/s over each RATE_WINDOW_S: a slower download fails
+RATE_WINDOW_S = 60
+DEADLINE_S = 6 * 3600  # no one download runs longer
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # a folder's compressed shards are listed too, to be reported
 
 
@@ -79,10 +90,12 @@ class _FetchFailed(Exception):
 def fetch(url: str, path: Path, label: str) -> None:
     """Fetch one shard to `path`, atomically; a clear error names the URL and the fix."""
     copy = _run_pipe if url.startswith("pipe:") else _download
+    whole = True  # the transport proved the body whole (a pipe's exit status, a length or HTTP chunks)
 
     def write(out: BinaryIO) -> None:
+        nonlocal whole
         try:
-            copy(url, out, bar)
+            whole = copy(url, out, bar)
         except (ConnectionError, FileNotFoundError) as err:
             raise _FetchFailed(err) from err
 
@@ -91,14 +104,29 @@ def fetch(url: str, path: Path, label: str) -> None:
             atomic_write(path, write)
         except _FetchFailed as failed:
             raise failed.args[0] from failed.args[0].__cause__
+    if not whole and not _complete_shard(path):
+        size = path.stat().st_size
+        path.unlink()
+        raise ConnectionError(
+            f"data.shards {url}: the server sent {size:,} bytes without a Content-Length and they are not a whole tar "
+            "(no end-of-archive marker): the download was cut short and is not kept; run again to fetch it again"
+        )
 
 
-def _download(url: str, out: BinaryIO, bar: tqdm) -> None:
+def _complete_shard(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(512)
+    return compression(head) is not None or ends_with_marker(str(path))
+
+
+def _download(url: str, out: BinaryIO, bar: tqdm) -> bool:
+    """Copy `url`'s body to `out`; whether its length was declared (or chunked), so that a cut is detected."""
     try:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
             expected = _declared_length(response.headers.get("Content-Length"))
             bar.total = expected
-            received = _copy(response, out, bar)
+            received = _copy(response, out, bar, url)
+            chunked = bool(getattr(response, "chunked", False))
     except urllib.error.HTTPError as err:
         raise FileNotFoundError(
             f"data.shards {url}: the server answered HTTP {err.code} ({_one_line(err.reason)}): check the "
@@ -114,6 +142,7 @@ def _download(url: str, out: BinaryIO, bar: tqdm) -> None:
             f"data.shards {url}: the download stopped after {received:,} of {expected:,} "
             "bytes: run again to fetch it again"
         )
+    return expected is not None or chunked
 
 
 def _one_line(err) -> str:
@@ -127,7 +156,7 @@ def _declared_length(header: str | None) -> int | None:
     return int(text) if text.isascii() and text.isdigit() else None
 
 
-def _run_pipe(url: str, out: BinaryIO, bar: tqdm) -> None:
+def _run_pipe(url: str, out: BinaryIO, bar: tqdm) -> bool:
     command = url[len("pipe:") :]
     with subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
         _copy(proc.stdout, out, bar)
@@ -138,12 +167,33 @@ def _run_pipe(url: str, out: BinaryIO, bar: tqdm) -> None:
             f"{': ' + error.splitlines()[-1] if error else ''}: fix the command, or fetch the shards "
             "yourself and set data.shards to their folder"
         )
+    return True
 
 
-def _copy(source: BinaryIO, out: BinaryIO, bar: tqdm) -> int:
-    received = 0
-    while chunk := source.read(CHUNK):
+def _copy(source: BinaryIO, out: BinaryIO, bar: tqdm, url: str | None = None) -> int:
+    """Copy `source` to `out`; the bytes copied. With `url` (a download), held to `MIN_RATE` and `DEADLINE_S`:
+    `read1` returns what has arrived, so the clock is read at least every `TIMEOUT_S`."""
+    received, start = 0, time.monotonic()
+    window_start, window_bytes = start, 0
+    while chunk := source.read1(CHUNK):
         out.write(chunk)
         received += len(chunk)
+        window_bytes += len(chunk)
         bar.update(len(chunk))
+        if url is None:
+            continue
+        now = time.monotonic()
+        if now - start > DEADLINE_S:
+            raise ConnectionError(
+                f"data.shards {url}: the download ran past its {DEADLINE_S:,} s deadline ({received:,} bytes): "
+                "download the shards yourself and set data.shards to their folder"
+            )
+        if now - window_start >= RATE_WINDOW_S:
+            if window_bytes < MIN_RATE * (now - window_start):
+                raise ConnectionError(
+                    f"data.shards {url}: the server sent {window_bytes:,} bytes in {now - window_start:.0f} s, below "
+                    f"the {MIN_RATE:,} bytes/s a download must keep: try again later, or download the shards "
+                    "yourself and set data.shards to their folder"
+                )
+            window_start, window_bytes = now, 0
     return received

@@ -56,7 +56,7 @@ from ..shard_format import DISCOVERY
 from ..shard_manifest import ManifestError, read_manifest, shard_file_problems
 from .base import Batch
 from .cache import DecodedCache, cache_device
-from .decode import DecodeCounts, cap_aspect, decode_cpu, decode_gpu, pad_into, resize_uint8, served_sizes
+from .decode import DecodeCounts, as_buffer, cap_aspect, decode_cpu, decode_gpu, pad_into, resize_uint8, served_sizes
 from .intake import is_manifest_folder, make_shards_index_cached, open_foreign
 from .sampler import sample_epoch
 from .tar import ShardIndex, open_mmap
@@ -81,8 +81,7 @@ def decode_image(data) -> Tensor:
         return decode_cpu(data)
     from torchvision.io import ImageReadMode, decode_webp
 
-    buf = data if isinstance(data, Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return decode_webp(buf, mode=ImageReadMode.RGB)
+    return decode_webp(as_buffer(data), mode=ImageReadMode.RGB)
 
 
 def _report(msg: str) -> None:
@@ -265,7 +264,20 @@ class ShardSource:
         problems = shard_file_problems(self.records, self.urls, self.verify)
         self.index, more, self.reused_index = make_shards_index_cached(self.urls, self.intake.index_cache)
         self.problems = problems + more
+        self._check_labels()
         return skipped
+
+    def _check_labels(self) -> None:
+        """Every sample's `.cls` is one of the manifest's classes (or no label), before anything is sized by them."""
+        cls = self.index.cls
+        outside = (cls != NO_LABEL) & ((cls < 0) | (cls >= len(self.class_names)))
+        if outside.any():
+            row = int(np.flatnonzero(outside)[0])
+            raise ManifestError(
+                f"{self.urls[int(self.index.shard[row])]}: sample uq {int(self.index.uq[row])} has the .cls label "
+                f"{int(cls[row])}, outside the manifest's {len(self.class_names)} classes ({int(outside.sum())} such "
+                "sample(s)): the shards were changed after make-shards wrote them; run make-shards again"
+            )
 
     def held_out(self) -> np.ndarray:
         """uq (ascending) of the held-out labelled images of shards of your own images (`make-shards --dataset

@@ -18,12 +18,13 @@ import re
 import struct
 import tarfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
+from ...limits import check_image_pixels
 from ...worker_processes import forked_pool
 
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
@@ -67,15 +68,15 @@ def open_mmap(path: str) -> mmap.mmap:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
-def _member_spans(mm: mmap.mmap) -> Iterator[tuple[str, int, int]]:
+def _member_spans(mm: mmap.mmap) -> Generator[tuple[str, int, int], None, bool]:
     """(name, data offset, data length) of every regular file, in order; damage raises `tarfile.ReadError` after the
-    members before it."""
+    members before it. Returns whether the walk ended at the end-of-archive marker."""
     size = len(mm)
     pos, long_name, pax = 0, None, {}
     while pos + 512 <= size:
         hdr = mm[pos : pos + 512]
         if hdr.count(0) == 512:
-            return  # end-of-archive marker
+            return True  # end-of-archive marker (the generator's return value: `ends_with_marker`)
         if _octal(hdr[148:156]) != sum(hdr) - sum(hdr[148:156]) + 256:
             raise tarfile.ReadError(f"bad header checksum at byte {pos:,}: damaged archive")
         n = _octal(hdr[124:136])
@@ -103,6 +104,7 @@ def _member_spans(mm: mmap.mmap) -> Iterator[tuple[str, int, int]]:
         yield name, start, n
     if pos < size:
         raise tarfile.ReadError(f"{size - pos} stray bytes at the end: truncated")
+    return False
 
 
 def sample_spans(mm: mmap.mmap, flush_at_damage: bool = False) -> Iterator[tuple[str, dict[str, tuple[int, int]]]]:
@@ -129,6 +131,26 @@ def sample_spans(mm: mmap.mmap, flush_at_damage: bool = False) -> Iterator[tuple
         yield key, parts
 
 
+def ends_with_marker(path: str) -> bool:
+    """The tar at `path` reads to its end-of-archive marker (the zero block tar writes after the last member): a
+    tar cut short between two members reads as a whole one with fewer samples, and only the marker tells them apart."""
+    try:
+        mm = open_mmap(path)
+    except tarfile.ReadError:  # an empty file
+        return False
+    spans = _member_spans(mm)
+    try:
+        while True:
+            next(spans)
+    except StopIteration as end:
+        return end.value
+    except tarfile.ReadError:
+        return False
+    finally:
+        spans.close()
+        mm.close()
+
+
 def tar_members(path: str) -> Iterator[tuple[str, bytes]]:
     """(name, data) of every regular file in the tar at `path`, in order; a damaged or truncated archive raises
     `tarfile.ReadError` after the members before the damage."""
@@ -150,24 +172,32 @@ def tar_samples(path: str) -> Iterator[dict]:
         mm.close()
 
 
-def image_members(path: str, image_keys: tuple[str, ...]) -> tuple[list[tuple[str, int, int]], int]:
+def image_members(
+    path: str, image_keys: tuple[str, ...], damage: list[str] | None = None
+) -> tuple[list[tuple[str, int, int]], int]:
     """((key, offset, length) of each sample's image: the first of `image_keys` present, in storage order; the number
-    of samples with none of them). A compressed or damaged shard raises `tarfile.ReadError` with what to do."""
+    of samples with none of them). A compressed shard raises `tarfile.ReadError` with what to do; so does a damaged
+    one, unless `damage` is given: then the samples before the damage are returned (as `index_shard` keeps them for
+    training) and the damage is appended to `damage`."""
     mm = open_mmap(path)
+    found, without = [], 0
     try:
         kind = compression(mm[:512])
         if kind is not None:
             raise tarfile.ReadError(compressed_shard_problem(path, kind))
-        found, without = [], 0
-        for key, parts in sample_spans(mm):
+        for key, parts in sample_spans(mm, flush_at_damage=damage is not None):
             span = next((parts[k] for k in image_keys if k in parts), None)
             if span is None:
                 without += 1
             else:
                 found.append((key, *span))
-        return found, without
+    except tarfile.ReadError as exn:
+        if damage is None or kind is not None:
+            raise
+        damage.append(f"{exn}; the samples after the damage are unreadable")
     finally:
         mm.close()
+    return found, without
 
 
 def read_span(path: str, offset: int, length: int) -> bytes:
@@ -337,7 +367,9 @@ def index_shard(path: str, keys: SampleKeys = SampleKeys()) -> tuple[np.ndarray,
                 continue
             a, n = next(parts[k] for k in keys.image if k in parts)
             try:
-                rows.append((a, n, *image_hw(mm, a, a + n), *keys.read(mm, parts)))
+                hw = image_hw(mm, a, a + n)
+                check_image_pixels(*hw)  # refused here, it never counts towards a cache's size or a batch's canvas
+                rows.append((a, n, *hw, *keys.read(mm, parts)))
             except ValueError as exn:
                 unreadable.append(f"{key if key.isprintable() else repr(key)}: {exn}")  # a name may hold a newline
     except tarfile.ReadError as exn:

@@ -9,6 +9,7 @@ import zlib
 
 import numpy as np
 
+from ...limits import open_image
 from ..shard_format import IMAGE_FORMATS, PNG_COMPRESS_LEVEL, resized_size
 
 JPEG_QUALITY = 95
@@ -20,7 +21,7 @@ def load_rgb(source) -> Image.Image:  # noqa: F821
 
     if isinstance(source, np.ndarray):
         return Image.fromarray(source, "RGB")
-    with Image.open(source) as im:
+    with open_image(source) as im:
         im.load()
         return im.convert("RGB")
 

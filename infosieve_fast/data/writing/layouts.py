@@ -23,13 +23,13 @@ in remapping order. Nothing is decoded here; make-shards (`encode.py`) decodes a
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import numpy as np
 
 from ..shard_format import DISCOVERY
 from ..splits import class_split, imagenet100_choice
+from .cifar_pickle import read_batch
 from .layout_common import (
     LayoutError,
     RawDataset,
@@ -134,12 +134,6 @@ def _folder_dataset(
 # ---- CIFAR -----------------------------------------------------------------------------------------------------
 
 
-def _unpickle(path: Path) -> dict:
-    with open(path, "rb") as f:
-        d = pickle.load(f, encoding="bytes")
-    return {(k.decode() if isinstance(k, bytes) else k): v for k, v in d.items()}
-
-
 def _cifar(root: Path, dataset: str) -> RawDataset:
     if dataset == "cifar10":
         folder = root if (root / "data_batch_1").exists() else root / "cifar-10-batches-py"
@@ -163,7 +157,7 @@ def _cifar(root: Path, dataset: str) -> RawDataset:
     def load(files: list[str]) -> tuple[list, np.ndarray, list[str]]:
         images, labels, names = [], [], []
         for fname in files:
-            d = _unpickle(need(folder / fname, f"{dataset} batch file"))
+            d = read_batch(need(folder / fname, f"{dataset} batch file"))
             data = np.asarray(d["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
             images.extend(np.ascontiguousarray(x) for x in data)
             labels.extend(int(y) for y in d[label_key])
@@ -172,7 +166,8 @@ def _cifar(root: Path, dataset: str) -> RawDataset:
 
     train, train_labels, train_names = load(train_files)
     test, test_labels, test_names = load(test_files)
-    class_names = [n.decode() if isinstance(n, bytes) else n for n in _unpickle(need(folder / meta, "meta"))[names_key]]
+    names = read_batch(need(folder / meta, "meta"))[names_key]
+    class_names = [n.decode() if isinstance(n, bytes) else n for n in names]
     split = class_split(dataset)
     return RawDataset(
         dataset,
