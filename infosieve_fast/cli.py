@@ -141,8 +141,10 @@ def _tree(args: argparse.Namespace) -> int:
     print(format_code_measures(tree["measures"]))
     if tree.get("novel_clusters"):
         from .cluster_places import place_text
+        from .code_separation import separation_text
 
-        print("novel clusters in the tree:")
+        print(separation_text(tree["code_separation"]))
+        print("novel clusters:")
         print("\n".join(f"  {terminal_safe(place_text(place))}" for place in tree["novel_clusters"]))
     print(f"wrote {out}")
     return 0
@@ -279,6 +281,15 @@ def add_source_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_run_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--run",
+        required=True,
+        metavar="RUN_DIR",
+        help=f"the run folder `infosieve train` wrote (it printed it): {what}",
+    )
+
+
 def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint",
@@ -309,7 +320,7 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    add_run_argument(p, "its checkpoint is scored")
     p.add_argument(
         "--split",
         choices=("train", "test"),
@@ -322,7 +333,7 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tree_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    add_run_argument(p, "the tree of its checkpoint's codes")
     p.add_argument("--depth", type=int, default=6, help="deepest code prefix shown (default 6)")
     p.add_argument(
         "--json",
@@ -333,24 +344,24 @@ def _tree_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _predict_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    add_run_argument(p, "its model and final clusters sort the images")
     p.add_argument("--images", required=True, metavar="PATH", help="an image, an image folder, a list file or shards")
     p.add_argument("--out", required=True, metavar="FILE", help="FILE.jsonl or FILE.csv")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     add_source_argument(p)
     add_checkpoint_argument(p)
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    add_run_argument(p, "RUN_DIR/report.html is written there")
     p.add_argument("--depth", type=int, default=4, help="depth of the tree picture (default 4)")
     add_source_argument(p)
     add_checkpoint_argument(p)
 
 
 def _name_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, metavar="RUN_DIR")
+    add_run_argument(p, "a finished run on your own images, whose novel clusters are named")
     p.add_argument("names", nargs="+", metavar="novel-K=NAME", help='e.g. novel-7="Blue Jay" (kept in RUN/names.json)')
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import json
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,52 @@ def cluster_name(cluster: int, class_names: list[str], n_old: int, given: dict[i
     if cluster < n_old and cluster < len(class_names):
         return class_names[cluster]
     return (given or {}).get(cluster, f"novel-{cluster}")
+
+
+def novel_pool_images(clustering: dict) -> int:
+    """How many pool images (no label) the final clustering put in a novel cluster (one beyond the known classes)."""
+    pool = np.asarray(clustering["targets"]) == NO_LABEL
+    return int((pool & (np.asarray(clustering["preds"]) >= int(clustering["n_old"]))).sum())
+
+
+def nothing_new(n_old: int) -> str:
+    """What a run says when no pool image went to a novel cluster."""
+    return (
+        f"No new category was found: every pool image went to one of the {n_old} known classes' clusters. If you "
+        "expect new ones, train again with kmeans.n_clusters set to the number of categories you expect."
+    )
+
+
+def own_images_steps(run: Path, shards: str | None) -> list[str]:
+    """The next commands of a finished run on your own images (`shards` made by `make-shards --dataset discovery`):
+    predict the pool, then name the novel clusters and export them for the next round, or, where no pool image went
+    to a novel cluster, `nothing_new` in place of name and export. [] for other runs and before the final
+    clustering."""
+    from .data.shard_format import DISCOVERY
+    from .run_images import run_manifest
+    from .run_reader import read_clustering
+
+    clustering = read_clustering(run)
+    if not shards or clustering is None:
+        return []
+    try:
+        manifest = run_manifest(run, shards)
+    except (FileNotFoundError, ValueError):  # shards of another tool, or a manifest that cannot be read: not ours
+        return []
+    if manifest["dataset"] != DISCOVERY:
+        return []
+    folder, pool = shlex.quote(str(run)), shlex.quote(str(Path(manifest["root"]) / "unlabelled"))
+    steps = [
+        f"infosieve predict --run {folder} --images {pool} --out {shlex.quote(str(run / PREDICTIONS))}   "
+        "# every pool image: its cluster, name and margin"
+    ]
+    if not novel_pool_images(clustering):
+        return [*steps, f"# {nothing_new(int(clustering['n_old']))}"]
+    return [
+        *steps,
+        f"infosieve name --run {folder} novel-K=NAME   # name the novel clusters you recognise in the report",
+        f"infosieve export --run {folder} --out NEW_FOLDER   # named clusters as labelled classes, for the next round",
+    ]
 
 
 def unscored_parts(targets: np.ndarray, n_old: int) -> dict[str, str]:
@@ -92,6 +139,8 @@ def pool_section(
         f"The unlabelled pool: {int(pool.sum()):,} images with no label. All/Old/New need labels, so they score "
         "only the held-out labelled images below, never the pool."
     ]
+    if not novel_pool_images(clustering):
+        lines.append(nothing_new(n_old))
     if held:
         lines.append(
             f"Held-out labelled images: {held:,}; in their own class's cluster: {right:,} "

@@ -23,7 +23,11 @@ one height, of which Brent's search climbs whichever its first steps find. So:
 - where that lower quartile is the number of known classes itself, which leaves no cluster for a new category, and a
   larger K is plausible too, the answer is the smallest plausible K above the known classes: the unlabelled points
   are where new categories are looked for, and the score cannot tell those K apart. Where no larger K is plausible,
-  the answer stays the known classes' number and `no_new_cluster_warning` says so.
+  the answer stays the known classes' number and `no_new_cluster_warning` says so;
+- "nothing new" is an answer: the score cannot give it (with only known classes in the pool a few extra clusters
+  score as well), so a second test asks whether the unlabelled points lie as near the known classes as the labelled
+  ones do (`novelty.py`). Where they do, K is the number of known classes and the result says no new category was
+  found (`novelty_test=False`: the score's answer alone, as before).
 
 Why. On resamples of the same species the unsmoothed score's best K and the smallest K within one standard error of
 it moved by up to 15 classes: the score is flat near its peak, and its change between resamples is larger than the
@@ -53,6 +57,7 @@ from sklearn.metrics import silhouette_score
 
 from .kmeans import semi_supervised_kmeans
 from .metrics import cluster_acc
+from .novelty import Z_NEW, pool_novelty
 
 SILHOUETTE_SAMPLE = 4000
 GRID_POINTS = 16  # K values scored evenly over the whole range before the search around the best
@@ -125,13 +130,16 @@ def estimate_k(
     silhouette: bool = True,
     subsample: float = SUBSAMPLE,
     bandwidth: float = BANDWIDTH,
+    novelty_test: bool = True,
 ) -> dict:
     """Estimate K from features [N, D] (L2-normalised here), targets [N] (used on the labelled points only) and the
     labelled mask [N]. Searches [n_old, k_max] (default: 4 x n_old, at most N // 2). Returns a JSON-ready dict: `k`,
     the method, `k_range` (the smallest and largest plausible K), `k_by_argmax` (of the smoothed score), the pooled
     standard error, both criteria's curves over the K scored (sorted; the labelled accuracy as scored and smoothed;
     the silhouette on the grid's K and the answer, when `silhouette`), and the time taken. `subsample` 1 and
-    `bandwidth` 0: every run clusters all the points, and the scores are not smoothed."""
+    `bandwidth` 0: every run clusters all the points, and the scores are not smoothed. `novelty_test`: K is the
+    number of known classes where the unlabelled points hold nothing new (`novelty.py`; the result's `novelty`, and
+    `k_by_score`, the score's own answer)."""
     x, y, lab, k_max = checked_inputs(feats, targets, labelled, n_old, k_max, device)
     start = time.perf_counter()
     scores: dict[int, float] = {}
@@ -149,10 +157,12 @@ def estimate_k(
         score(k)
     width = bandwidth * n_old
     found = choose_k(scores, errors, score, n_old, k_max, width)
-    shown = silhouette_ks(sorted({*grid, found["k"]}) if silhouette else [], int((~lab).sum()), progress)
+    novelty = pool_novelty(x, y, lab, n_old) if novelty_test else None
+    k = n_old if novelty is not None and not novelty["new"] else found["k"]
+    shown = silhouette_ks(sorted({*grid, k}) if silhouette else [], int((~lab).sum()), progress)
     silhouettes = {k: unlabelled_silhouette(x, y, lab, k, max_iter=max_iter, seed=seed) for k in shown}
     return {
-        "k": found["k"],
+        "k": k,
         "method": "GCD's score (k-means on all points, Hungarian accuracy on the labelled ones) on subsamples, "
         "smoothed across K; a grid, then the plausible range",
         "search": {
@@ -164,6 +174,8 @@ def estimate_k(
             "subsample": subsample,
             "smoothing_width": round(width, 6),
         },
+        "k_by_score": found["k"],
+        "novelty": novelty,
         "k_range": found["k_range"],
         "k_lower_quartile": found["k_lower_quartile"],
         "k_by_argmax": found["k_by_argmax"],
@@ -199,7 +211,14 @@ def describe_choice(result: dict) -> str:
     low, high = result["k_range"]
     quartile, known = result["k_lower_quartile"], result["search"]["k_min"]
     rule = "the lower quartile is chosen"
-    if result["k"] != quartile:
+    if nothing_new(result):
+        rule = (
+            f"the score's answer would be K = {result['k_by_score']}, but the unlabelled points lie as near the "
+            f"{known} known classes as the labelled ones do ({result['novelty']['beyond']:.0%} beyond the labelled "
+            f"points' {result['novelty']['quantile']:.0%} quantile, z = {result['novelty']['z']:.1f} < {Z_NEW:g}): "
+            "nothing new, K = the known classes"
+        )
+    elif result["k"] != quartile:
         rule = (
             f"the lower quartile, K = {quartile}, would leave no cluster for new categories, so the smallest "
             f"plausible K above the {known} known classes is chosen"
@@ -210,12 +229,23 @@ def describe_choice(result: dict) -> str:
     )
 
 
+def nothing_new(result: dict) -> bool:
+    """Whether the answer is the known classes because the unlabelled points hold nothing new (`novelty.py`)."""
+    return result.get("novelty") is not None and not result["novelty"]["new"]
+
+
 def no_new_cluster_warning(result: dict) -> str | None:
-    """A warning when the answer is the number of known classes, which leaves no cluster for new categories (no
-    larger K is plausible); None otherwise."""
+    """A warning when the answer is the number of known classes, which leaves no cluster for new categories: because
+    the unlabelled points look like the known classes, or because no larger K is plausible; None otherwise."""
     known = result["search"]["k_min"]
     if result["k"] > known:
         return None
+    if nothing_new(result):
+        return (
+            f"no new category was found: K = {known}, the known classes (the unlabelled images lie as near them as the "
+            f"labelled ones do); if you expect new categories, set kmeans.n_clusters to the number you expect, above "
+            f"{known}"
+        )
     return (
         f"K = {known} is the number of known classes, so no cluster is left for new categories (no larger K scores "
         f"as well): if the unlabelled images hold new categories, set kmeans.n_clusters to the number you expect, "

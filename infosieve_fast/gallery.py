@@ -1,6 +1,7 @@
 """The report's discovery gallery (runs on your own images): per cluster, novel ones first, thumbnails of the pool
 images nearest its centre and of a few at its margin (nearest to another cluster), each titled with its file; beside
-each novel cluster its size and its place in the category tree (`cluster_places.py`).
+each novel cluster its size, the known classes nearest it and, where the codes carry the classes, its place in the
+category tree (`cluster_places.py`, `code_separation.py`).
 
 Thumbnails are small JPEG files written once under RUN/report/thumbs/ (one per image, reused by later reports) and
 referenced by relative paths with lazy loading, so a run of a thousand clusters stays a page a browser opens quickly.
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .cluster_places import place_clusters, place_text
+from .code_separation import code_separation, separation_text
 from .discovery import cluster_name
 from .limits import open_image
 from .metrics import NO_LABEL
@@ -33,13 +35,14 @@ STYLE = (
 
 @dataclass(frozen=True)
 class Gallery:
-    """What the section shows: the clustering, the pass's distances and codes, the image files and the names."""
+    """What the section shows: the clustering and its centres, the pass's distances and codes, the image files and the
+    names."""
 
     clustering: dict
     view: PoolView
     images: RunImages
     class_names: list[str]
-    n_clusters: int
+    centers: np.ndarray
     given: dict[int, str]
 
 
@@ -96,18 +99,24 @@ def gallery_html(run: Path, g: Gallery, depth: int) -> str:
     pool = (np.asarray(c["targets"]) == NO_LABEL) & np.isin(np.asarray(c["uq"]), list(g.view.distance))
     uq, preds = np.asarray(c["uq"])[pool], np.asarray(c["preds"])[pool]
     members = {k: uq[preds == k].tolist() for k in np.unique(preds).tolist()}
-    places = place_clusters(g.view.codes, g.view.targets, c, g.class_names, g.n_clusters, g.given, depth)
+    separation = code_separation(g.view.codes, g.view.targets)
+    places = place_clusters(
+        g.view.codes, g.view.targets, c, g.class_names, g.centers, g.given, depth, separation["carries"]
+    )
     by_cluster = {p["cluster"]: p for p in places}
     n_old = int(c["n_old"])
     order = [p["cluster"] for p in places] + sorted(k for k in members if k < n_old)
     sections = "".join(cluster_html(run, k, members[k], g, by_cluster.get(k)) for k in order)
     intro = (
         f"Every cluster with pool images, novel ones first: up to {NEAREST} images nearest its centre, then up to "
-        f"{AT_MARGIN} at its margin (nearest to another cluster); hover an image for its file. The place of a novel "
-        "cluster is the code prefix most of its images share, and its nearest known classes those whose prefix "
-        "shares the most digits with it. Name a cluster with `infosieve name --run RUN novel-K=NAME`."
+        f"{AT_MARGIN} at its margin (nearest to another cluster); hover an image for its file. Beside a novel "
+        "cluster, the known classes whose cluster centres lie nearest its own in the features (with the distances) "
+        "and, where the codes carry the classes, its place in the tree: the code prefix most of its images share, and "
+        "the known classes whose prefix shares the most digits with it. Name a cluster with `infosieve name --run RUN "
+        "novel-K=NAME`."
     )
-    return f"{STYLE}<h2>Discovery: the clusters</h2><p>{html.escape(intro)}</p>{sections}"
+    codes = separation_text(separation)
+    return f"{STYLE}<h2>Discovery: the clusters</h2><p>{html.escape(intro)}</p><p>{html.escape(codes)}</p>{sections}"
 
 
 def run_gallery(run: Path, clustering: dict, checkpoint: str, depth: int) -> tuple[str, dict]:
@@ -125,7 +134,7 @@ def run_gallery(run: Path, clustering: dict, checkpoint: str, depth: int) -> tup
     centers = assignment_centers(trainer, run, checkpoint)
     view = pool_view(trainer, centers, clusters)
     names = list(trainer.source.class_names)
-    g = Gallery(clustering, view, images, names, len(centers), checkpoint_names(run, checkpoint))
+    g = Gallery(clustering, view, images, names, centers.cpu().numpy(), checkpoint_names(run, checkpoint))
     uqs = sorted(view.codes)
     tree = build_tree([view.codes[u] for u in uqs], [view.targets[u] for u in uqs], depth) | {"class_names": names}
     return gallery_html(run, g, depth), tree

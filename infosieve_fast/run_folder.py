@@ -151,7 +151,8 @@ def train_from(
                 f"in {run_dir / BEST_CHECKPOINT} (read it with --checkpoint best)"
             )
         seconds, resumed_at = time.perf_counter() - started, None if state is None else start
-        print_finished(run_dir, seconds, resumed_at, cfg.schedule.epochs, trainer.evaluator().has_test_split())
+        test_split = trainer.evaluator().has_test_split()
+        print_finished(run_dir, seconds, resumed_at, cfg.schedule.epochs, test_split, cfg.data.shards)
     dist.barrier()
     return metrics
 
@@ -262,7 +263,7 @@ def finished_result(cfg: Config, run_dir: Path) -> dict:
     """A resume of a run that has finished and changes nothing: its metrics.json, nothing reruns."""
     if dist.is_main_process():
         print(f"{run_dir} already finished its {cfg.schedule.epochs} epochs; its result is in {run_dir / METRICS}")
-        print_next_steps(run_dir)
+        print_next_steps(run_dir, shards=cfg.data.shards)
     return json.loads((run_dir / METRICS).read_text())
 
 
@@ -471,15 +472,17 @@ def print_table(metrics: dict[str, dict[str, float | None]], protocol: str) -> N
         print(f"{name:<16}" + "".join("     n/a" if m[p] is None else f"{m[p]:>8.4f}" for p in ("all", "old", "new")))
 
 
-def print_finished(run_dir: Path, seconds: float, resumed_at: int | None, epochs: int, test_split: bool) -> None:
+def print_finished(
+    run_dir: Path, seconds: float, resumed_at: int | None, epochs: int, test_split: bool, shards: str | None = None
+) -> None:
     """The session's time and the way on; `resumed_at`: the epoch this session started at (None: a new run);
-    `test_split`: whether the run's data has a test split to score."""
+    `test_split`: whether the run's data has a test split to score; `shards`: the run's `data.shards`."""
     session = ""
     if resumed_at is not None:
         at = "for the final evaluation" if resumed_at >= epochs else f"at epoch {resumed_at + 1}"
         session = f" (this session, resumed {at})"
     print(f"\nfinished in {format_duration(seconds)}{session}; run folder: {run_dir}")
-    print_next_steps(run_dir, test_split)
+    print_next_steps(run_dir, test_split, shards)
 
 
 def format_duration(seconds: float) -> str:
@@ -488,11 +491,17 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def print_next_steps(run_dir: Path, test_split: bool = False) -> None:
-    """The commands that read the run; `--split test` only where the run's data has a test split."""
+def print_next_steps(run_dir: Path, test_split: bool = False, shards: str | None = None) -> None:
+    """The commands that read the run; `--split test` only where the run's data has a test split; on your own images
+    (`shards` made by `make-shards --dataset discovery`) also predict, name and export
+    (`discovery.own_images_steps`)."""
+    from .discovery import own_images_steps
+
     run = shlex.quote(str(run_dir))
     print("next:")
     test = " (--split test: the held-out split)" if test_split else ""
     print(f"  infosieve eval --run {run}     # All/Old/New from the checkpoint{test}")
     print(f"  infosieve tree --run {run}     # the category tree of the learned codes")
     print(f"  infosieve report --run {run}   # report.html: losses, schedules, accuracy, confusion, the tree")
+    for line in own_images_steps(run_dir, shards):
+        print(f"  {line}")

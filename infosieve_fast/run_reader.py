@@ -97,12 +97,14 @@ def read_run(run_dir: str | Path, checkpoint: str = "last") -> tuple[Trainer, st
 
 def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last") -> dict:
     """The implicit category tree of a run's last (or best) checkpoint: `trainer_tree`, under "checkpoint" what was
-    read and, for a run with an unlabelled pool, under "novel_clusters" each novel cluster's place in the tree
-    (cluster_places.py): of the final clustering (RUN/clustering.npz) for the last checkpoint, of the best's own
-    clustering, computed again, for the best."""
+    read and, for a run with an unlabelled pool, under "code_separation" whether the codes carry the classes
+    (code_separation.py) and under "novel_clusters" each novel cluster's nearest known classes and, where they do, its
+    place in the tree (cluster_places.py): of the final clustering (RUN/clustering.npz) for the last checkpoint, of
+    the best's own clustering, computed again, for the best."""
     from .cluster_names import checkpoint_names
     from .cluster_places import place_clusters
     from .code_metrics import code_features
+    from .code_separation import code_separation
     from .metrics import NO_LABEL
 
     trainer, read = read_run(run_dir, checkpoint)
@@ -113,16 +115,18 @@ def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last")
     n_old = trainer.source.n_old
     if checkpoint == "best":
         final = trainer.evaluate_full()
-        clustering, n_clusters = final.unlabelled_table(n_old), len(final.clustering.centers)
+        clustering, centers = final.unlabelled_table(n_old), final.clustering.centers
     elif trainer.centers is not None:  # the final evaluation's, saved with RUN/clustering.npz
-        clustering, n_clusters = read_clustering(run_dir), len(trainer.centers)
+        clustering, centers = read_clustering(run_dir), trainer.centers
     else:  # a run stopped before its final clustering
         return tree
     length, uq = trainer.cfg.model.code_length, fs.uq.tolist()
     codes = dict(zip(uq, code_strings(fs.feats[:, :length], fs.feats[:, length:]), strict=True))
     targets = dict(zip(uq, fs.targets.tolist(), strict=True))
     names, given = list(trainer.source.class_names), checkpoint_names(run_dir, checkpoint)
-    tree["novel_clusters"] = place_clusters(codes, targets, clustering, names, n_clusters, given, max_depth)
+    tree["code_separation"] = separation = code_separation(codes, targets)
+    carries = separation["carries"]
+    tree["novel_clusters"] = place_clusters(codes, targets, clustering, names, centers, given, max_depth, carries)
     return tree
 
 

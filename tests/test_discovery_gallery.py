@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from infosieve_fast import cli
-from infosieve_fast.cluster_places import majority_prefix, place_clusters, place_text, shared_digits
+from infosieve_fast.cluster_places import majority_prefix, place_text, shared_digits
 from infosieve_fast.data.writing.layouts import read_dataset
 from infosieve_fast.gallery import AT_MARGIN, NEAREST, THUMB_SIZE, thumbnail
 from infosieve_fast.metrics import NO_LABEL
@@ -130,7 +130,7 @@ def test_the_report_shows_every_cluster_as_thumbnails_novel_first(run, screensho
     assert [sizes[k] for k in novel] == sorted((sizes[k] for k in novel), reverse=True)  # the largest first
     for k, body in sections:
         if int(k) >= KNOWN:
-            assert f"novel: {sizes[int(k)]} pool images, prefix " in body and "nearest known: " in body
+            assert f"novel: {sizes[int(k)]} pool images; nearest known (feature centres): " in body
         for u in shown[int(k)]:
             assert f'loading="lazy" src="report/thumbs/{u:08d}.jpg" title="{html.escape(names[u])} (distance' in body
     assert "base64,/9j" not in page  # thumbnails are files, not embedded JPEGs
@@ -166,25 +166,10 @@ def test_a_thumbnail_is_written_once(tmp_path):
     assert target.read_bytes() == b"kept"  # an existing thumbnail is reused, never written again
 
 
-def test_a_cluster_sits_at_its_majority_prefix_beside_the_known_classes_sharing_most_digits():
+def test_a_set_of_codes_sits_at_its_majority_prefix():
     assert majority_prefix(["0110", "0111", "0100", "1"], 4) == "01"  # 3 of 4 start 01; 2 of 4 start 011: no majority
     assert majority_prefix(["0110", "0110", "1"], 2) == "01" and majority_prefix(["0", "1"], 3) == ""
     assert shared_digits("0110", "0101") == 2 and shared_digits("", "01") == 0 and shared_digits("11", "11") == 2
-    codes = {0: "000", 1: "001", 2: "110", 3: "111", 4: "011", 5: "011", 6: "010", 7: "10", 8: "010", 9: "100"}
-    targets = {0: 0, 1: 0, 2: 1, 3: 1, 4: NO_LABEL, 5: NO_LABEL, 6: NO_LABEL, 7: NO_LABEL, 8: 2, 9: 2}
-    clustering = {"uq": np.arange(4, 8), "targets": np.full(4, NO_LABEL), "preds": np.asarray([3, 3, 3, 4]),
-                  "n_old": 3}  # fmt: skip
-    places = place_clusters(codes, targets, clustering, ["gull", "tern", "owl"], 6, {4: "Blue Jay"}, depth=3)
-    # by hand: gull at "00", tern at "11", owl {010, 100} at "" (no majority). Cluster 3 {011, 011, 010} sits at "011"
-    # (2 of 3): 1 digit shared with gull, 0 with tern and owl, none of whose images is under "011" (tern first by
-    # index). Cluster 4 {10} sits at "10": 1 digit shared with tern, 0 with gull and owl; half of owl's images are
-    # under "10", none of gull's, so owl comes before gull. Cluster 5 has no image.
-    assert places == [
-        {"cluster": 3, "name": "novel-3", "size": 3, "prefix": "011", "nearest_known": ["gull", "tern", "owl"],
-         "shared_digits": 1},
-        {"cluster": 4, "name": "Blue Jay", "size": 1, "prefix": "10", "nearest_known": ["tern", "owl", "gull"],
-         "shared_digits": 1},
-    ]  # fmt: skip
 
 
 def test_predict_and_tree_carry_the_names(run, tmp_path, capsys):
@@ -206,11 +191,19 @@ def test_predict_and_tree_carry_the_names(run, tmp_path, capsys):
     tree = json.loads((run / "tree.json").read_text())
     assert [p["cluster"] for p in tree["novel_clusters"]] == sorted(
         (k for k in members if k >= KNOWN), key=lambda k: (-len(members[k]), k))  # fmt: skip
+    centers = trainer_from_run(run).centers.double().numpy()  # the nearest known classes, by hand from the centres
+    carries = tree["code_separation"]["carries"]
     for place in tree["novel_clusters"]:
         assert place["size"] == len(members[place["cluster"]])
         label = f"{given[place['cluster']]} (novel-{place['cluster']})" if place["cluster"] in given else place["name"]
-        assert f"  {label}: {place['size']} pool images, prefix " in printed
+        assert f"  {label}: {place['size']} pool images; nearest known (feature centres): " in printed
         assert f"novel: {html.escape(place_text(place).partition(': ')[2])}</p>" in page  # where the report put it
+        dist = np.linalg.norm(centers[:KNOWN] - centers[place["cluster"]], axis=1)
+        assert place["nearest_known"] == [known[c] for c in np.argsort(dist, kind="stable")[:3]]
+        assert place["centre_distances"] == pytest.approx(np.sort(dist)[:3], abs=1e-4)
+        assert ("prefix" in place) == carries  # a tree place only where the codes carry the classes
+    line = "The codes carry the classes" if carries else "The codes have not separated the classes yet"
+    assert line in printed and html.escape(line) in page
 
 
 def test_the_best_checkpoint_places_its_own_clusters_and_carries_no_name_of_the_last(run, tmp_path, capsys):

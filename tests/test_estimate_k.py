@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from infosieve_fast import cli
 from infosieve_fast.data.splits import gcd_split
@@ -21,6 +22,7 @@ from infosieve_fast.estimate_k import (
     pooled_error,
     smoothed,
 )
+from infosieve_fast.novelty import Z_NEW, pool_novelty
 
 SAID = r"K=(\d+): labelled accuracy (0\.\d{4}|1\.0000) ± (0\.\d{4})"
 
@@ -206,7 +208,32 @@ def test_new_classes_that_look_like_known_ones_give_the_known_number_with_a_warn
     res = json.loads(said.out)
     assert (res["k"], res["k_range"], res["k_lower_quartile"]) == (2, [2, 2], 2)
     assert res["criteria"]["labelled_accuracy"]["2"] == 1.0 and max(res["criteria"]["labelled_accuracy"].values()) == 1
-    assert "\nWARNING: K = 2 is the number of known classes, so no cluster is left for new categories" in said.err
+    assert "\nWARNING: no new category was found: K = 2, the known classes" in said.err
+    assert res["novelty"]["new"] is False and res["k_by_score"] == 2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_pool_of_only_known_classes_says_nothing_new(seed):
+    """6 blobs, all 6 known, half of each labelled: the pool holds nothing new. The score alone answers 7 (the
+    issue's case: a few extra clusters score as well, and the rule raises a lower quartile of 6 above the known
+    classes); the pool's points lie as near the known classes as the labelled ones do, so K = 6."""
+    x, y = _blobs(6, 40, seed=seed)
+    labelled, _ = gcd_split(y, list(range(6)), 0.5, 0)
+    res = estimate_k(x, y, labelled, 6, k_max=24, silhouette=False)
+    assert res["k"] == 6 and res["k_by_score"] > 6 and not res["novelty"]["new"]
+    assert res["novelty"]["z"] < Z_NEW and describe_choice(res).endswith("nothing new, K = the known classes")
+    assert no_new_cluster_warning(res).startswith("no new category was found: K = 6, the known classes")
+    assert estimate_k(x, y, labelled, 6, k_max=24, silhouette=False, novelty_test=False)["k"] == res["k_by_score"]
+
+
+def test_one_new_class_in_the_pool_is_seen():
+    """The same 6 known blobs and a 7th, novel, in the pool: the pool lies farther from the known classes than the
+    labelled points (z far above the threshold) and K = 7; with 12 blobs, 6 novel, K = 12 (the test above's)."""
+    x, y = _blobs(7, 40)
+    labelled, _ = gcd_split(y, list(range(6)), 0.5, 0)
+    res = estimate_k(x, y, labelled, 6, k_max=24, silhouette=False)
+    assert res["novelty"]["new"] and res["novelty"]["z"] > 2 * Z_NEW and res["k"] == res["k_by_score"] == 7
+    assert no_new_cluster_warning(res) is None
 
 
 def test_a_pool_smaller_than_k_skips_the_silhouette_with_a_note():
@@ -253,3 +280,14 @@ def test_the_command_line_names_the_bad_argument(argv, said, tmp_path, monkeypat
     np.savez(tmp_path / "f.npz", F=x, y=y)
     assert cli.main(["estimate-k", *argv]) == 2
     assert capsys.readouterr().err == said
+
+
+def test_the_novelty_statistic_by_hand():
+    """Labelled: class 0 at 0, 0.1, 0.2 and class 1 at 10, 10.1, 10.2 on a line (1-d, not normalised here). Leave-one-
+    out distances to the own mean: 0.15, 0, 0.15 per class; the 0.8 quantile of (0.15, 0, 0.15, 0.15, 0, 0.15) is
+    0.15. Pool: 0.1 and 10.1 (distance 0 from a mean) and 5 and 20 (4.9, 9.9): half beyond, excess 0.5 - 0.2 = 0.3
+    in standard errors sqrt(0.8 x 0.2 / 4) = 0.2: z = 1.5."""
+    x = torch.tensor([[0.0], [0.1], [0.2], [10.0], [10.1], [10.2], [0.1], [10.1], [5.0], [20.0]], dtype=torch.float64)
+    targets = np.asarray([0, 0, 0, 1, 1, 1, -1, -1, -1, -1])
+    res = pool_novelty(x, targets, targets >= 0, 2)
+    assert res["beyond"] == 0.5 and res["z"] == pytest.approx(1.5) and not res["new"]

@@ -4,6 +4,7 @@ checks before its run folder; shard file modes; the shards' stored size against 
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import stat
@@ -64,6 +65,37 @@ def test_eval_on_a_run_without_test_split_names_the_fix_and_train_does_not_sugge
     print_next_steps(base / "run", test_split=True)
     hints = [line for line in capsys.readouterr().out.splitlines() if "infosieve eval" in line]
     assert "--split test" not in hints[0] and "--split test" in hints[1]
+
+
+def test_the_next_steps_of_a_run_on_your_own_images_go_through_predict_name_and_export(pool_run, capsys, tmp_path):
+    """train's "next:" lines follow what the run is for: on your own images predict (the pool folder the shards were
+    made of), name and export; without a novel cluster holding a pool image, that no new category was found."""
+    from infosieve_fast.discovery import nothing_new, pool_section
+    from infosieve_fast.run_folder import print_next_steps
+
+    base, _ = pool_run
+    run, shards = base / "run", str(base / "shards")
+    print_next_steps(run, shards=shards)
+    steps = capsys.readouterr().out.splitlines()
+    assert f"  infosieve predict --run {run} --images {base / 'mine' / 'unlabelled'} --out " \
+        f"{run / 'predictions.jsonl'}   # every pool image: its cluster, name and margin" in steps  # fmt: skip
+    assert any(f"infosieve name --run {run} novel-K=NAME" in line for line in steps)
+    assert any(f"infosieve export --run {run} --out NEW_FOLDER" in line for line in steps)
+    print_next_steps(run)  # the shards unknown (a finished run resumed before this change passed them): no guess
+    assert "predict" not in capsys.readouterr().out
+    # the same run with every pool image in a known class's cluster (K = the known classes): nothing new, said so
+    with np.load(run / "clustering.npz") as z:
+        clustering = {k: z[k] for k in z.files}
+    clustering["preds"] = clustering["preds"] % len(KNOWN)
+    np.savez(tmp_path / "clustering.npz", **clustering)
+    print_next_steps(tmp_path, shards=shards)
+    steps = capsys.readouterr().out.splitlines()
+    assert any("infosieve predict" in line for line in steps) and not any("infosieve name" in line for line in steps)
+    assert f"  # {nothing_new(len(KNOWN))}" in steps and "No new category was found" in nothing_new(len(KNOWN))
+    said = html.escape(nothing_new(len(KNOWN)))
+    assert said in pool_section(tmp_path, clustering, list(KNOWN), len(KNOWN))
+    assert said not in pool_section(run, {**clustering, "preds": np.full_like(clustering["preds"], 3)},
+                                                       list(KNOWN), 4)  # fmt: skip
 
 
 def test_new_cannot_be_measured_so_eval_and_tree_print_na(pool_run, capsys):

@@ -55,6 +55,7 @@ from ..shard_manifest import (
 )
 from ..splits import check_counts
 from .encode import JPEG_QUALITY, load_rgb, resize_image
+from .layout_discovery import DISCOVERY_LAYOUT
 from .layouts import DATASETS, LayoutError, RawDataset, canonical_name, read_dataset
 from .shard_writer import Plan, ShardWriter, encoding_pool, plans
 
@@ -268,7 +269,12 @@ def parse_class_list(text: str) -> list[int]:
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `infosieve make-shards`."""
     parser.add_argument("--dataset", required=True, help=f"one of: {', '.join(DATASETS)}")
-    parser.add_argument("--root", required=True, help="the raw dataset in its official layout (see docs/data.md)")
+    parser.add_argument(
+        "--root",
+        required=True,
+        help=f"the raw dataset in its official layout (see docs/data.md); --dataset {DISCOVERY}: your own images, "
+        f"{DISCOVERY_LAYOUT}",
+    )
     parser.add_argument("--out", required=True, help="output folder for the shards and manifest.json")
     parser.add_argument("--shard-size-mb", type=float, default=256, help="target size of one tar shard (default 256)")
     parser.add_argument(
