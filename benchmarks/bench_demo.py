@@ -20,7 +20,8 @@ import numpy as np
 from benchmarks import smoke
 from benchmarks.harness import Stopwatch, cpu_report, finish_cpu_report
 from infosieve_fast import cli
-from infosieve_fast.run_reader import code_tree, read_clustering
+from infosieve_fast.analysis.run_reader import code_tree
+from infosieve_fast.training.run_files import read_clustering
 
 SMOKE_SETS = ("schedule.epochs=1", "train.train_subset=256", "kmeans.n_init=1")
 

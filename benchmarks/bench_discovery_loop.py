@@ -31,8 +31,9 @@ from benchmarks.cub_subset import REALDATA
 from benchmarks.harness import Stopwatch
 from benchmarks.tools.provenance import emit_json, stamp
 from infosieve_fast import cli
+from infosieve_fast.common.labels import NO_LABEL
 from infosieve_fast.data.writing.layouts import read_dataset
-from infosieve_fast.metrics import NO_LABEL, evaluate_split
+from infosieve_fast.evaluation.metrics import evaluate_split
 
 FIRST = 20  # cub100 species 20-29 known, 30-39 novel (smoke: 20-21 and 22-23)
 KNOWN, NOVEL, PER_SPECIES = (2, 2, 12) if smoke.active() else (10, 10, None)

@@ -44,10 +44,10 @@ from benchmarks import smoke
 from benchmarks.harness import Stopwatch, sync, throughput, timed
 from benchmarks.pooled_shards import KIND, write_pooled_shards
 from benchmarks.tools.provenance import device_name, emit_json, stamp
-from infosieve_fast.config import load_config
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.reading.stream import ShardSource
-from infosieve_fast.engine import Trainer
-from infosieve_fast.loss_monitor import LossMonitor
+from infosieve_fast.training.engine import Trainer
+from infosieve_fast.training.loss_monitor import LossMonitor
 
 IMAGENET1K_TRAIN = 1_281_167
 # smoke size (INFOSIEVE_BENCH_SMOKE=1, the CPU rehearsal of gpu_check.sh): a ViT-Ti/16 on 32 px crops, seconds on a CPU

@@ -24,7 +24,7 @@ from benchmarks import smoke
 from benchmarks.harness import Stopwatch
 from benchmarks.tools.provenance import emit_json
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.estimate_k import estimate_k
+from infosieve_fast.evaluation.estimate_k import estimate_k
 
 
 def class_range(text: str) -> tuple[int, int]:

@@ -34,10 +34,10 @@ from benchmarks import smoke
 from benchmarks.harness import throughput, timed
 from benchmarks.pooled_shards import write_pooled_shards
 from benchmarks.tools.provenance import device_name, emit_json
-from infosieve_fast.config import load_config
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.data import build_source
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.trainer_setup import resolve_device
+from infosieve_fast.training.trainer_setup import resolve_device
 
 HERBARIUM19_N, HERBARIUM19_CLASSES = 34_000, 683
 

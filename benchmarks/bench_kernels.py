@@ -48,7 +48,7 @@ import infosieve_kernels as kernels
 from benchmarks import datasheet, kernel_roofline, smoke
 from benchmarks.harness import Stopwatch, call_times, sync, timed
 from benchmarks.tools.provenance import device_name, emit_json, versions
-from infosieve_fast.precision import set_cuda_matmul_tf32
+from infosieve_fast.common.precision import set_cuda_matmul_tf32
 from infosieve_kernels import reference
 
 L = 40

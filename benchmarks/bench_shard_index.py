@@ -20,7 +20,7 @@ from pathlib import Path
 from benchmarks import smoke
 from benchmarks.harness import timed
 from benchmarks.tools.provenance import emit_json
-from infosieve_fast.config import IntakeConfig
+from infosieve_fast.config.settings import IntakeConfig
 from infosieve_fast.data.reading.stream import ShardSource
 
 N_CLASSES = 10

@@ -92,16 +92,16 @@ from benchmarks import datasheet, smoke
 from benchmarks.harness import Stopwatch, at, call_times, sync, timed
 from benchmarks.published import train as published
 from benchmarks.tools.provenance import device_name, emit_json, stamp, versions
-from infosieve_fast import checkpoint as ckpt
-from infosieve_fast.config import apply_overrides, from_dict
+from infosieve_fast.common.precision import set_cuda_matmul_tf32
+from infosieve_fast.config.settings import apply_overrides, from_dict
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.data.reading.base import Batch
 from infosieve_fast.data.reading.memory import InMemoryGCD
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.engine import FeatureSet, Trainer
-from infosieve_fast.loss_monitor import LossMonitor
-from infosieve_fast.precision import set_cuda_matmul_tf32
-from infosieve_fast.step_graph import WARMUP_STEPS
+from infosieve_fast.training import checkpoint as ckpt
+from infosieve_fast.training.engine import FeatureSet, Trainer
+from infosieve_fast.training.loss_monitor import LossMonitor
+from infosieve_fast.training.step_graph import WARMUP_STEPS
 
 FAST_VARIANTS = {
     "fast_default": [],

@@ -33,8 +33,8 @@ from benchmarks import smoke
 from benchmarks.cub_subset import REALDATA, write_cub_subset
 from benchmarks.harness import timed
 from benchmarks.tools.provenance import ROOT, device_name, emit_json, git_state
-from infosieve_fast import checkpoint as ckpt
-from infosieve_fast.config import LossConfig, ModelConfig, config_drift, load_config
+from infosieve_fast.common import files
+from infosieve_fast.config.settings import LossConfig, ModelConfig, config_drift, load_config
 
 CONFIG = ROOT / "configs" / "cub100-tree.yaml"
 CODE_TERMS = ("loss_code", "loss_code_infonce", "loss_code_supcon_gt", "loss_code_supcon_pseudo", "loss_code_cond")
@@ -97,8 +97,8 @@ def refuse_other_config(cfg, run_dir: Path) -> None:
 def run_one(cfg, run_dir: Path, depth: int) -> dict:
     """Train `cfg` in `run_dir`, resume it there if it was killed, or reuse it if it finished; then read what the run
     holds. `refuse_other_config` has checked the folder."""
-    from infosieve_fast.run_folder import train
-    from infosieve_fast.run_reader import code_tree
+    from infosieve_fast.analysis.run_reader import code_tree
+    from infosieve_fast.training.run_folder import train
 
     done = (run_dir / "metrics.json").is_file()
     with timed() as clock:
@@ -107,9 +107,9 @@ def run_one(cfg, run_dir: Path, depth: int) -> dict:
     seconds = clock.seconds
     metrics = json.loads((run_dir / "metrics.json").read_text())
     tree = code_tree(run_dir, max(depth, 8))
-    ckpt.write_json(run_dir / "tree.json", tree)
+    files.write_json(run_dir / "tree.json", tree)
     m = tree["measures"]
-    log = ckpt.read_log(run_dir / "log.jsonl")
+    log = files.read_log(run_dir / "log.jsonl")
     out = {
         "backbone_before": metrics["before"],
         "backbone_all": metrics["after"]["all"],
@@ -263,7 +263,7 @@ def main(argv=None) -> dict:
             "backbone_all_not_lower_beyond_noise": tree["backbone_all"]["mean"] >= ref["backbone_all"]["mean"] - spread,
         }
     if args.plots:
-        from infosieve_fast.report import plot_tree
+        from infosieve_fast.commands.report import plot_tree
 
         args.plots.mkdir(parents=True, exist_ok=True)
         for variant, run_dir in trees.items():  # the names are in tree.json (infosieve tree stores them)

@@ -32,7 +32,7 @@ from benchmarks.bench_tree import CONFIG, reference_overrides
 from benchmarks.cub_subset import REALDATA, write_cub_subset
 from benchmarks.harness import Stopwatch
 from benchmarks.tools.provenance import ROOT, device_name, emit_json, git_state
-from infosieve_fast.config import load_config
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.reading.memory import InMemoryGCD
 
 # What the cached views fix (`cache_views`: the config's backbone and its augmentation) or what has nothing to act on
@@ -78,7 +78,7 @@ def cache_views(shards: Path, n_views: int, path: Path) -> dict:
         return torch.load(path)
     from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
     from infosieve_fast.data.reading.stream import ShardSource
-    from infosieve_fast.model import build_backbone
+    from infosieve_fast.network.model import build_backbone
 
     cfg = load_config(CONFIG)
     source = ShardSource(shards, split="train", num_workers=0)
@@ -106,9 +106,9 @@ def cache_views(shards: Path, n_views: int, path: Path) -> dict:
 
 
 def run_variant(cfg, cached: dict) -> dict:
-    from infosieve_fast.code_metrics import evaluate_codes
-    from infosieve_fast.engine import Trainer
-    from infosieve_fast.model import Backbone
+    from infosieve_fast.evaluation.code_metrics import evaluate_codes
+    from infosieve_fast.network.model import Backbone
+    from infosieve_fast.training.engine import Trainer
 
     source = CachedViewsSource(cached["views"], cached["targets"], cached["labelled"], cached["n_old"])
     n_views = cached["views"].shape[1] - 1

@@ -9,14 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from . import config as config_mod
-from . import distributed
-from .checkpoint import DiskWriteError
+from .common import distributed
+from .common.files import DiskWriteError
+from .common.shown_text import terminal_safe
+from .config import settings as config_mod
 from .data.writing import shards
-from .loss_monitor import NonFiniteLoss
-from .preemption import PREEMPTED_EXIT, Preempted
-from .run_source import SOURCE_FLAG, refuse_fetches, typed_source
-from .shown_text import terminal_safe
+from .training.loss_monitor import NonFiniteLoss
+from .training.preemption import PREEMPTED_EXIT, Preempted
+from .training.run_source import SOURCE_FLAG, refuse_fetches, typed_source
 
 AUTO = "auto"  # `--resume auto`: what a relaunched command line (torchrun --max-restarts, a requeued job) passes
 
@@ -26,7 +26,7 @@ class UsageError(ValueError):
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .run_folder import train
+    from .training.run_folder import train
 
     overrides = list(args.set)
     if args.data_shards:
@@ -50,7 +50,7 @@ def _train(args: argparse.Namespace) -> int:
     if not args.config:
         raise UsageError("train needs --config FILE (see configs/) or --resume RUN_DIR")
     cfg = config_mod.load_config(args.config, overrides)
-    from .trainer_setup import started_run
+    from .training.trainer_setup import started_run
 
     with started_run(cfg.train.device) as device:  # torchrun: every rank, one run folder
         stamp = distributed.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
@@ -108,8 +108,8 @@ def _interruptible(run, run_dir: Path) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .run_folder import print_table
-    from .run_reader import assignment_centers, read_run
+    from .analysis.run_reader import assignment_centers, read_run
+    from .training.run_folder import print_table
 
     trainer, read = read_run(args.run, args.checkpoint)
     print(f"checkpoint: {read}")
@@ -120,17 +120,17 @@ def _eval(args: argparse.Namespace) -> int:
         metrics = trainer.evaluate()
     print_table({f"{args.checkpoint} ({args.split})": metrics}, trainer.cfg.train.eval_protocol)
     if args.split == "train":  # what the codes hold, on the same unlabelled samples
-        from .code_metrics import evaluate_codes, format_code_measures
+        from .evaluation.code_metrics import evaluate_codes, format_code_measures
 
         print(format_code_measures(evaluate_codes(trainer.evaluator())))
     return 0
 
 
 def _tree(args: argparse.Namespace) -> int:
-    from .checkpoint import write_json
-    from .code_metrics import format_code_measures
-    from .run_reader import code_tree
-    from .tree import format_tree
+    from .analysis.run_reader import code_tree
+    from .common.files import write_json
+    from .evaluation.code_metrics import format_code_measures
+    from .evaluation.tree import format_tree
 
     tree = code_tree(args.run, args.depth, args.checkpoint)
     print(f"checkpoint: {tree['checkpoint']}")
@@ -140,8 +140,8 @@ def _tree(args: argparse.Namespace) -> int:
     print("\n".join(map(terminal_safe, format_tree(tree).split("\n"))))  # class names come from the data
     print(format_code_measures(tree["measures"]))
     if tree.get("novel_clusters"):
-        from .cluster_places import place_text
-        from .code_separation import separation_text
+        from .analysis.cluster_places import place_text
+        from .evaluation.code_separation import separation_text
 
         print(separation_text(tree["code_separation"]))
         print("novel clusters:")
@@ -151,9 +151,9 @@ def _tree(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    from .commands.predict import predict
+    from .common.wording import counted
     from .data.shard_format import IMAGE_SUFFIXES
-    from .predict import predict
-    from .wording import counted
 
     summary = predict(
         args.run, args.images, args.out, batch_size=args.batch_size, device=args.device, checkpoint=args.checkpoint
@@ -178,15 +178,15 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from .commands.report import write_report
 
     print(f"wrote {write_report(args.run, depth=args.depth, checkpoint=args.checkpoint)}")
     return 0
 
 
 def _name(args: argparse.Namespace) -> int:
-    from .checkpoint import load_checkpoint
-    from .cluster_names import NAMES, assign_names
+    from .analysis.cluster_names import NAMES, assign_names
+    from .training.checkpoint import load_checkpoint
 
     state = load_checkpoint(args.run)
     if state.get("centers") is None:
@@ -200,7 +200,7 @@ def _name(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import json
 
-    from .export import export_run
+    from .commands.export import export_run
 
     print(json.dumps(export_run(args.run, args.out)))
     return 0
@@ -209,7 +209,7 @@ def _export(args: argparse.Namespace) -> int:
 def _estimate_k(args: argparse.Namespace) -> int:
     import json
 
-    from .estimate_k import describe_choice, estimate_k, load_features, no_new_cluster_warning
+    from .evaluation.estimate_k import describe_choice, estimate_k, load_features, no_new_cluster_warning
 
     if bool(args.run) == bool(args.features):
         raise UsageError("estimate-k needs exactly one of --run RUN_DIR or --features FILE.npz")
@@ -228,7 +228,7 @@ def _estimate_k(args: argparse.Namespace) -> int:
         feats, targets, labelled = load_features(args.features, args.known_classes)
         n_old = args.known_classes
     else:
-        from .run_reader import trainer_from_run
+        from .analysis.run_reader import trainer_from_run
 
         trainer = trainer_from_run(args.run)
         fs = trainer.extract_features("test")
@@ -259,13 +259,13 @@ def _make_shards(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from .sweep import run_cli
+    from .commands.sweep import run_cli
 
     return run_cli(args)
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .compare import run_cli
+    from .commands.compare import run_cli
 
     return run_cli(args)
 
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
     except (config_mod.ConfigError, FileNotFoundError, FileExistsError, ValueError, DiskWriteError) as err:
         if getattr(args, "run", None) and not isinstance(err, UsageError):  # what a --run that is not there lacks
-            from .run_reader import run_folder_problem
+            from .analysis.run_reader import run_folder_problem
 
             err = run_folder_problem(args.run) or err
         print(f"error: {terminal_safe(str(err))}", file=sys.stderr)

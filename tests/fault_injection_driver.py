@@ -39,6 +39,8 @@ import signal
 import sys
 from pathlib import Path
 
+from infosieve_fast.common import files
+
 REQUIRED = ["mid-step", "mid-checkpoint-write", "mid-log-append", "kmeans"]
 OTHERS = ["feature-pass", "after-log", "after-checkpoint", "mid-metrics-write"]
 SIGNAL_KINDS = ["sigterm", "sigusr1", "sigterm-kmeans"]
@@ -94,7 +96,8 @@ def training_kmeans(replacement) -> None:
     moved to)."""
     from infosieve_fast import kmeans
 
-    own = ("infosieve_fast.kmeans", "infosieve_fast.estimate_k")  # k-means itself; K's estimate is no training round
+    # k-means itself; K's estimate is no training round
+    own = ("infosieve_fast.kmeans", "infosieve_fast.evaluation.estimate_k")
     patched = [
         module
         for name, module in list(sys.modules.items())
@@ -110,8 +113,10 @@ def patch(kind: str, n: int) -> None:
     """In the child: make the n-th call of `kind`'s function kill the process."""
     import torch
 
-    from infosieve_fast import checkpoint, kmeans, loss_monitor, model
+    from infosieve_fast import kmeans
     from infosieve_fast.kmeans import restarts as kmeans_restarts
+    from infosieve_fast.network import model
+    from infosieve_fast.training import checkpoint, loss_monitor
 
     count = [0]
 
@@ -169,7 +174,7 @@ def patch(kind: str, n: int) -> None:
 
         torch.save = half_save
     elif kind in ("mid-log-append", "after-log"):
-        append = checkpoint.append_log
+        append = files.append_log
 
         def appending(path, record):
             if Path(path).name != "log.jsonl" or not hit():
@@ -184,7 +189,7 @@ def patch(kind: str, n: int) -> None:
                     os.fsync(f.fileno())
             die()
 
-        checkpoint.append_log = appending
+        files.append_log = appending
     elif kind == "after-checkpoint":
         save_checkpoint = checkpoint.save_checkpoint
 
@@ -220,15 +225,15 @@ def patch(kind: str, n: int) -> None:
 
         model.InfoSieve.features = featuring
     elif kind == "mid-metrics-write":
-        write_json = checkpoint.write_json
+        write_json = files.write_json
 
         def writing(path, data):
             if Path(path).name != "metrics.json":
                 return write_json(path, data)
             text = (json.dumps(data, indent=2) + "\n").encode()
-            checkpoint.atomic_write(Path(path), lambda f: (f.write(text[: len(text) // 2]), f.flush(), die()))
+            files.atomic_write(Path(path), lambda f: (f.write(text[: len(text) // 2]), f.flush(), die()))
 
-        checkpoint.write_json = writing
+        files.write_json = writing
     else:
         raise ValueError(kind)
 
@@ -261,7 +266,7 @@ def checkpoint_epoch(run: Path, log: Path) -> int | None:
     nothing with torch)."""
 
     def read() -> int:
-        from infosieve_fast.checkpoint import load_checkpoint
+        from infosieve_fast.training.checkpoint import load_checkpoint
 
         return load_checkpoint(run)["epoch"] if (run / "checkpoint.pt").is_file() else 255
 
@@ -276,7 +281,7 @@ def checkpoint_position(run: Path, log: Path) -> dict | None:
     out = log.with_suffix(".json")
 
     def read() -> int:
-        from infosieve_fast.checkpoint import load_checkpoint
+        from infosieve_fast.training.checkpoint import load_checkpoint
 
         state = load_checkpoint(run) if (run / "checkpoint.pt").is_file() else None
         mid = None if state is None else state.get("mid_epoch")
@@ -293,7 +298,7 @@ def signal_attempts(work: Path, rng: random.Random, count: int) -> list[dict]:
     """`count` attempts each stopped by a drawn signal kind at a drawn moment; each must exit preempted, with the
     stop's record last in log.jsonl and its one-line note on stderr."""
     from infosieve_fast import cli
-    from infosieve_fast.preemption import PREEMPTED_EXIT
+    from infosieve_fast.training.preemption import PREEMPTED_EXIT
 
     run, attempts = work / "killed", []
     # the first two stop once each mid-epoch, past the epoch's first step; the third in an epoch's k-means
@@ -334,7 +339,8 @@ def train_argv(run: Path) -> list[str]:
 def main(workdir: str, seed: str, kills: str, mode: str = "kills") -> int:
     global EPOCHS, STEPS
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from infosieve_fast import cli, engine, run_folder  # noqa: F401  (imported once, before any fork)
+    from infosieve_fast import cli
+    from infosieve_fast.training import engine, run_folder  # noqa: F401  (imported once, before any fork)
 
     if mode == "signals":
         EPOCHS, STEPS = 2, 4

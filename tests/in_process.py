@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infosieve_fast import checkpoint, cli
+from infosieve_fast import cli
+from infosieve_fast.training import checkpoint
 
 SHELL_SYNTAX = re.compile(r"[$`*?~{}\[\]!\\]")  # expansions, globs, escapes: bash's job
 SHELL_OPERATOR = re.compile(r"[|&;<>()]+")

@@ -21,7 +21,7 @@ from pathlib import Path
 def patch(action: str, taken: Path) -> None:
     """Make this process do `action` ("sigterm@N" or "sigkill@N") right after its N-th training step's update, first
     adding a line to `taken`."""
-    from infosieve_fast import loss_monitor
+    from infosieve_fast.training import loss_monitor
 
     name, _, n = action.partition("@")
     sig = {"sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}[name]

@@ -19,15 +19,16 @@ import numpy as np
 import pytest
 import torch
 
-from infosieve_fast import cli, export
-from infosieve_fast.config import load_config
+from infosieve_fast import cli
+from infosieve_fast.commands import export
+from infosieve_fast.commands.export import link_or_copy
+from infosieve_fast.commands.predict import FIELDS, _write
+from infosieve_fast.common.file_names import name_problem
+from infosieve_fast.common.labels import NO_LABEL
+from infosieve_fast.common.shown_text import csv_safe, terminal_safe
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.writing.layouts import read_dataset
 from infosieve_fast.data.writing.shards import make_shards
-from infosieve_fast.export import link_or_copy
-from infosieve_fast.file_names import name_problem
-from infosieve_fast.metrics import NO_LABEL
-from infosieve_fast.predict import FIELDS, _write
-from infosieve_fast.shown_text import csv_safe, terminal_safe
 from tests.test_discovery import _layout
 
 N_OLD, NOVEL = 2, 2  # classes a, b; every pool image in cluster novel-2

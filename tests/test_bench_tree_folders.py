@@ -4,7 +4,7 @@ bench_tree_ablation refuses a `--set` that its cached backbone features would ig
 import pytest
 
 from benchmarks.bench_tree import refuse_other_config
-from infosieve_fast.config import load_config, save_config
+from infosieve_fast.config.settings import load_config, save_config
 
 
 def test_a_folder_of_another_config_is_refused_and_left_as_it_was(tmp_path):

@@ -16,21 +16,24 @@ import pytest
 import torch
 from PIL import Image
 
-from infosieve_fast import cli, run_folder
-from infosieve_fast.best_checkpoint import (
+from infosieve_fast import cli
+from infosieve_fast.analysis.run_reader import trainer_from_run
+from infosieve_fast.common.files import read_log
+from infosieve_fast.config.settings import load_config
+from infosieve_fast.data import InMemoryGCD, build_source
+from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
+from infosieve_fast.evaluation.evaluator import Evaluator
+from infosieve_fast.training import run_folder
+from infosieve_fast.training.best_checkpoint import (
     BestCheckpoint,
     holdout_accuracy,
     images_held_out_for_selection,
     kmeans_objective,
 )
-from infosieve_fast.checkpoint import load_checkpoint, read_log
-from infosieve_fast.config import load_config
-from infosieve_fast.data import InMemoryGCD, build_source
-from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.engine import FeatureSet, Trainer
-from infosieve_fast.evaluation import Evaluator
-from infosieve_fast.run_folder import train
-from infosieve_fast.run_reader import BEST_CHECKPOINT, read_best, trainer_from_run
+from infosieve_fast.training.checkpoint import load_checkpoint
+from infosieve_fast.training.engine import FeatureSet, Trainer
+from infosieve_fast.training.run_files import BEST_CHECKPOINT, read_best
+from infosieve_fast.training.run_folder import train
 from tests.test_engine import smoke_config
 from tests.test_engine_ddp import DDP_SMOKE
 from tests.test_kmeans_distributed import _free_port

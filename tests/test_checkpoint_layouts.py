@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed
 
-from infosieve_fast.checkpoint import CheckpointError
-from infosieve_fast.config import ModelConfig, load_config
-from infosieve_fast.model import build_backbone, load_backbone_weights
+from infosieve_fast.common.files import CheckpointError
+from infosieve_fast.config.settings import ModelConfig, load_config
+from infosieve_fast.network.model import build_backbone, load_backbone_weights
 
 # facebookresearch/dinov2 (dinov2/hub/backbones.py, dinov2/models/vision_transformer.py): the torch.hub models
 # dinov2_vit{s,b,l}14[_reg] are built at 518 px with 14-pixel patches, so their position embedding holds 1 + 37 x 37

@@ -7,9 +7,11 @@ import threading
 import pytest
 import torch
 
-from infosieve_fast import checkpoint as ckpt
-from infosieve_fast.checkpoint import load_checkpoint, read_log
-from infosieve_fast.run_folder import train
+from infosieve_fast.common import files as common_files
+from infosieve_fast.common.files import read_log
+from infosieve_fast.training import checkpoint as ckpt
+from infosieve_fast.training.checkpoint import load_checkpoint
+from infosieve_fast.training.run_folder import train
 from tests.test_engine import smoke_config
 
 
@@ -43,7 +45,7 @@ def test_a_run_stopped_early_has_its_checkpoint_on_disk_when_train_returns(tmp_p
 
 
 def test_the_checkpoint_holds_the_state_of_the_moment_it_was_asked_for(tmp_path, monkeypatch):
-    release, write = threading.Event(), ckpt.atomic_write
+    release, write = threading.Event(), common_files.atomic_write
 
     def held_write(path, writer):
         release.wait(timeout=30)
@@ -77,7 +79,7 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path, monkeypa
 
 
 def test_a_failed_background_write_stops_the_training_run(tmp_path, monkeypatch):
-    write = ckpt.atomic_write
+    write = common_files.atomic_write
 
     def failing_checkpoints(path, writer):
         if path.name == ckpt.CHECKPOINT:

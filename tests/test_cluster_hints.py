@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from infosieve_fast.cluster_places import place_clusters, place_text
-from infosieve_fast.code_separation import CARRY, code_separation, prefix_purity, separation_text
-from infosieve_fast.metrics import NO_LABEL
+from infosieve_fast.analysis.cluster_places import place_clusters, place_text
+from infosieve_fast.common.labels import NO_LABEL
+from infosieve_fast.evaluation.code_separation import CARRY, code_separation, prefix_purity, separation_text
 
 
 def test_prefix_purity_is_the_majority_share_of_each_prefix():

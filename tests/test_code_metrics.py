@@ -1,5 +1,5 @@
-"""What the codes hold (`infosieve_fast.code_metrics`): hand-computed prefixes, purity, NMI and code lengths, and the
-measures as `train.eval_every`, `infosieve eval` and `infosieve tree` report them."""
+"""What the codes hold (`infosieve_fast.evaluation.code_metrics`): hand-computed prefixes, purity, NMI and code lengths,
+and the measures as `train.eval_every`, `infosieve eval` and `infosieve tree` report them."""
 
 import json
 import math
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from infosieve_fast import cli
-from infosieve_fast.code_metrics import code_lengths, code_measures, nmi, prefix_ids, purity
-from infosieve_fast.tree import code_strings
+from infosieve_fast.evaluation.code_metrics import code_lengths, code_measures, nmi, prefix_ids, purity
+from infosieve_fast.evaluation.tree import code_strings
 
 # the rows of test_tree.py: codes "10", "0010", "" (row 0 is cut at index 2, row 2 at index 0)
 CODE_RAW = torch.tensor([[0.9, -0.8, 0.7, 0.6], [-0.5, -0.9, 0.1, -0.2], [0.3, 0.3, -0.3, 0.3]])
@@ -74,7 +74,7 @@ def test_code_measures_by_hand():
 
 
 def test_eval_every_eval_and_tree_report_the_code_measures(tmp_path, capsys):
-    from infosieve_fast.run_folder import train
+    from infosieve_fast.training.run_folder import train
     from tests.test_engine import smoke_config
 
     run = tmp_path / "run"
@@ -88,8 +88,8 @@ def test_eval_every_eval_and_tree_report_the_code_measures(tmp_path, capsys):
     # recounted from the checkpoint's codes with the tree's own prefix strings (tree.code_strings), not prefix_ids
     from collections import Counter
 
-    from infosieve_fast.code_metrics import code_features
-    from infosieve_fast.run_reader import trainer_from_run
+    from infosieve_fast.analysis.run_reader import trainer_from_run
+    from infosieve_fast.evaluation.code_metrics import code_features
 
     fs = code_features(trainer_from_run(run).evaluator())
     unl = ~fs.labelled

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 import infosieve_kernels as kernels
-from infosieve_fast.config import ConfigError, LossConfig, load_config
-from infosieve_fast.loss import InfoSieveLoss
-from infosieve_fast.model import ModelOutput
+from infosieve_fast.config.settings import ConfigError, LossConfig, load_config
+from infosieve_fast.network.loss import InfoSieveLoss
+from infosieve_fast.network.model import ModelOutput
 from infosieve_kernels import reference as ref
 from tests.test_loss import PARTS, Batch, assert_only_changed, assert_parts, expected_parts
 

@@ -13,8 +13,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from infosieve_fast import cli, compare
-from infosieve_fast.config import from_dict, load_config, save_config
+from infosieve_fast import cli
+from infosieve_fast.commands import compare
+from infosieve_fast.config.settings import from_dict, load_config, save_config
 from tests.test_sweep import SMALL
 
 PAPER = Path(__file__).resolve().parents[1].parent / "shared" / "paper" / "infosieve-neurips2023.tex"

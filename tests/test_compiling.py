@@ -7,12 +7,12 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from infosieve_fast import recompute
-from infosieve_fast.compiling import RECOMPILE_LIMIT, CompileOutcome, compile_with_fallback, compiled_modules
-from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.engine import Trainer
-from infosieve_fast.evaluation import epoch_log
-from infosieve_fast.model import Backbone, PrefixTokens
+from infosieve_fast.config.settings import ConfigError, load_config
+from infosieve_fast.evaluation.evaluator import epoch_log
+from infosieve_fast.network import recompute
+from infosieve_fast.network.compiling import RECOMPILE_LIMIT, CompileOutcome, compile_with_fallback, compiled_modules
+from infosieve_fast.network.model import Backbone, PrefixTokens
+from infosieve_fast.training.engine import Trainer
 
 FAKE_CUDA = torch.device("cuda")  # only the setting logic reads the device; the modules stay on the CPU
 SMALL = [

@@ -27,10 +27,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from infosieve_fast.compiling import COMPILED, compile_with_fallback, compiled_modules
-from infosieve_fast.config import load_config
-from infosieve_fast.engine import Trainer
-from infosieve_fast.loss_monitor import LossMonitor
+from infosieve_fast.config.settings import load_config
+from infosieve_fast.network.compiling import COMPILED, compile_with_fallback, compiled_modules
+from infosieve_fast.training.engine import Trainer
+from infosieve_fast.training.loss_monitor import LossMonitor
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor's CPU backend needs a C++ compiler"

@@ -4,7 +4,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infosieve_fast.config import Config, ConfigError, config_drift, from_dict, from_saved, load_config, save_config
+from infosieve_fast.config.settings import (
+    Config,
+    ConfigError,
+    config_drift,
+    from_dict,
+    from_saved,
+    load_config,
+    save_config,
+)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from infosieve_fast import cli
-from infosieve_fast.config import (
+from infosieve_fast.config.settings import (
     ConfigError,
     KMeansConfig,
     LossConfig,

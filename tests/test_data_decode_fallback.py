@@ -15,12 +15,12 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
-from infosieve_fast.config import load_config
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.reading import decode
 from infosieve_fast.data.reading.decode import DecodeCounts, decode_gpu
 from infosieve_fast.data.reading.stream import ShardSource
 from infosieve_fast.data.writing.shards import make_shards
-from infosieve_fast.engine import Trainer
+from infosieve_fast.training.engine import Trainer
 from tests.test_engine import SMOKE, _cifar_shards
 
 CLASSES, PER_CLASS = 3, 6

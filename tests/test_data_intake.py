@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from infosieve_fast.config import ConfigError, IntakeConfig, load_config
+from infosieve_fast.config.settings import ConfigError, IntakeConfig, load_config
 from infosieve_fast.data.reading.intake import expand_braces, foreign_keys, index_locations, shard_paths
 from infosieve_fast.data.reading.stream import ShardSource
 from infosieve_fast.data.reading.tar import image_hw, index_shard

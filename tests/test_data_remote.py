@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infosieve_fast.config import IntakeConfig
+from infosieve_fast.config.settings import IntakeConfig
 from infosieve_fast.data.reading.intake import open_foreign, shard_paths
 from infosieve_fast.data.reading.remote import cached_path
 

@@ -16,17 +16,18 @@ import torch
 from PIL import Image
 
 from infosieve_fast import cli
-from infosieve_fast.code_metrics import code_measures
-from infosieve_fast.config import ConfigError, load_config
+from infosieve_fast.common.labels import NO_LABEL
+from infosieve_fast.config.settings import ConfigError, load_config
 from infosieve_fast.data import held_out_labelled
 from infosieve_fast.data.reading.stream import ShardSource
 from infosieve_fast.data.splits import discovery_split, holdout_mask
 from infosieve_fast.data.writing.layouts import LayoutError, read_dataset
 from infosieve_fast.data.writing.shards import make_shards
-from infosieve_fast.discovery import cluster_name, unscored_parts
-from infosieve_fast.engine import Trainer
-from infosieve_fast.metrics import NO_LABEL, evaluate_split
-from infosieve_fast.tree import build_tree
+from infosieve_fast.evaluation.code_metrics import code_measures
+from infosieve_fast.evaluation.discovery import cluster_name, unscored_parts
+from infosieve_fast.evaluation.metrics import evaluate_split
+from infosieve_fast.evaluation.tree import build_tree
+from infosieve_fast.training.engine import Trainer
 
 CLASSES, KNOWN, PER_CLASS = 10, 5, 20  # the first 10 species of cub100, 5 known; 20 images each
 HOLDOUT = 0.2  # of each known species' labelled images

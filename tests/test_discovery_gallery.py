@@ -15,11 +15,11 @@ import torch
 from PIL import Image
 
 from infosieve_fast import cli
-from infosieve_fast.cluster_places import majority_prefix, place_text, shared_digits
+from infosieve_fast.analysis.cluster_places import majority_prefix, place_text, shared_digits
+from infosieve_fast.analysis.gallery import AT_MARGIN, NEAREST, THUMB_SIZE, thumbnail
+from infosieve_fast.analysis.run_reader import trainer_from_run
+from infosieve_fast.common.labels import NO_LABEL
 from infosieve_fast.data.writing.layouts import read_dataset
-from infosieve_fast.gallery import AT_MARGIN, NEAREST, THUMB_SIZE, thumbnail
-from infosieve_fast.metrics import NO_LABEL
-from infosieve_fast.run_reader import trainer_from_run
 
 SPECIES, KNOWN, PER_CLASS = range(20, 30), 5, 12  # the first 5 of the species known; 12 images each
 TRAIN = ["kmeans.n_clusters=10", "schedule.epochs=1", "train.max_steps_per_epoch=1", "data.batch_size=32",

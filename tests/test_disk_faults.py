@@ -12,8 +12,9 @@ import os
 import pytest
 import torch
 
-from infosieve_fast import checkpoint as ckpt
 from infosieve_fast import cli
+from infosieve_fast.common import files
+from infosieve_fast.training import checkpoint as ckpt
 from tests.test_fault_injection import assert_same_run
 from tests.test_preemption import SMALL
 
@@ -28,10 +29,10 @@ def refuse(code: int):
 
 
 def test_a_refused_rename_keeps_the_previous_file_and_names_path_and_error(tmp_path, monkeypatch):
-    ckpt.write_json(tmp_path / "metrics.json", {"all": 0.5})
+    files.write_json(tmp_path / "metrics.json", {"all": 0.5})
     monkeypatch.setattr(ckpt.os, "replace", refuse(errno.EIO))
-    with pytest.raises(ckpt.DiskWriteError) as err:
-        ckpt.write_json(tmp_path / "metrics.json", {"all": 0.9})
+    with pytest.raises(files.DiskWriteError) as err:
+        files.write_json(tmp_path / "metrics.json", {"all": 0.9})
     assert str(err.value) == (
         f"cannot write {tmp_path / 'metrics.json'}: Input/output error (errno 5); the previous metrics.json is intact"
     )
@@ -41,18 +42,18 @@ def test_a_refused_rename_keeps_the_previous_file_and_names_path_and_error(tmp_p
 
 def test_a_refused_fsync_of_a_log_line_keeps_the_earlier_lines(tmp_path, monkeypatch):
     log = tmp_path / "log.jsonl"
-    ckpt.append_log(log, {"epoch": 0})
+    files.append_log(log, {"epoch": 0})
     monkeypatch.setattr(ckpt.os, "fsync", refuse(errno.ENOSPC))
-    with pytest.raises(ckpt.DiskWriteError, match=rf"^cannot write {log}: No space left on device \(errno 28\); its"):
-        ckpt.append_log(log, {"epoch": 1})
+    with pytest.raises(files.DiskWriteError, match=rf"^cannot write {log}: No space left on device \(errno 28\); its"):
+        files.append_log(log, {"epoch": 1})
     monkeypatch.undo()
-    assert ckpt.read_log(log)[0] == {"epoch": 0}
+    assert files.read_log(log)[0] == {"epoch": 0}
 
 
 def test_a_read_only_folder_is_named_and_its_checkpoint_kept(tmp_path, monkeypatch):
     ckpt.save_checkpoint(tmp_path, {"epoch": 1})
     monkeypatch.setattr(ckpt.tempfile, "mkstemp", refuse(errno.EROFS))  # the folder was remounted read-only
-    with pytest.raises(ckpt.DiskWriteError) as err:
+    with pytest.raises(files.DiskWriteError) as err:
         ckpt.save_checkpoint(tmp_path, {"epoch": 2})
     assert str(err.value) == (
         f"cannot write {tmp_path / ckpt.CHECKPOINT}: Read-only file system (errno 30); the previous checkpoint.pt is "
@@ -86,7 +87,7 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_ends_e
     assert len(lines) == 1 and f"cannot write {run / ckpt.CHECKPOINT}: No space left on device (errno 28)" in lines[0]
     assert f"infosieve train --resume {run}" in lines[0]
     assert ckpt.load_checkpoint(run)["epoch"] == 1  # the previous checkpoint, readable
-    assert [r["epoch"] for r in ckpt.read_log(run / "log.jsonl")] == [0, 1]  # epoch 2's line, which resume drops
+    assert [r["epoch"] for r in files.read_log(run / "log.jsonl")] == [0, 1]  # epoch 2's line, which resume drops
     assert not list(run.glob(".*.tmp"))
     monkeypatch.undo()  # space freed
     assert cli.main(["train", "--resume", str(run)]) == 0

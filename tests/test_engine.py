@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from infosieve_fast import cli
-from infosieve_fast.checkpoint import load_checkpoint, read_log, restore_rng_state, rng_state, save_checkpoint
-from infosieve_fast.config import load_config
+from infosieve_fast.common.files import read_log
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.reading.base import Batch
-from infosieve_fast.engine import Trainer
-from infosieve_fast.loss_monitor import LossMonitor, NonFiniteLoss
-from infosieve_fast.model import Backbone
-from infosieve_fast.run_folder import train
+from infosieve_fast.network.model import Backbone
+from infosieve_fast.training.checkpoint import load_checkpoint, restore_rng_state, rng_state, save_checkpoint
+from infosieve_fast.training.engine import Trainer
+from infosieve_fast.training.loss_monitor import LossMonitor, NonFiniteLoss
+from infosieve_fast.training.run_folder import train
 
 SMOKE = [
     "schedule.epochs=2", "train.train_subset=320", "data.batch_size=64",
@@ -226,7 +227,7 @@ def test_cli_errors_name_the_input_and_the_fix(tmp_path, capsys):
 
 
 def test_ctrl_c_ends_with_the_resume_command(tmp_path, monkeypatch, capsys):
-    import infosieve_fast.run_folder as run_folder
+    import infosieve_fast.training.run_folder as run_folder
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -13,14 +13,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from infosieve_fast import cli, run_folder, run_reader
-from infosieve_fast import engine as eng
-from infosieve_fast.checkpoint import read_log
-from infosieve_fast.config import load_config
+from infosieve_fast import cli
+from infosieve_fast.analysis import run_reader
+from infosieve_fast.common.files import read_log
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.kmeans import semi_supervised_kmeans
-from infosieve_fast.loss import InfoSieveLoss
-from infosieve_fast.loss_monitor import NonFiniteLoss
-from infosieve_fast.model import Backbone
+from infosieve_fast.network.loss import InfoSieveLoss
+from infosieve_fast.network.model import Backbone
+from infosieve_fast.training import engine as eng
+from infosieve_fast.training import run_folder
+from infosieve_fast.training.loss_monitor import NonFiniteLoss
 from tests.test_engine import SMOKE, NaNInTraining
 from tests.test_kmeans_distributed import _free_port
 

@@ -11,7 +11,7 @@ import torch
 
 from infosieve_fast import cli
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.estimate_k import (
+from infosieve_fast.evaluation.estimate_k import (
     BANDWIDTH,
     SUBSAMPLE,
     choose_k,
@@ -22,7 +22,7 @@ from infosieve_fast.estimate_k import (
     pooled_error,
     smoothed,
 )
-from infosieve_fast.novelty import Z_NEW, pool_novelty
+from infosieve_fast.evaluation.novelty import Z_NEW, pool_novelty
 
 SAID = r"K=(\d+): labelled accuracy (0\.\d{4}|1\.0000) ± (0\.\d{4})"
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from infosieve_fast import cli
-from infosieve_fast.config import load_config
+from infosieve_fast.commands.predict import model_from_run
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.data.reading.stream import ShardSource
 from infosieve_fast.data.writing.shards import make_shards
-from infosieve_fast.metrics import evaluate_split
-from infosieve_fast.predict import model_from_run
-from infosieve_fast.run_folder import train
+from infosieve_fast.evaluation.metrics import evaluate_split
+from infosieve_fast.training.run_folder import train
 from tests.test_engine import SMOKE
 
 

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from infosieve_fast.checkpoint import load_checkpoint, read_log
-from infosieve_fast.preemption import PREEMPTED_EXIT
+from infosieve_fast.common.files import read_log
+from infosieve_fast.training.checkpoint import load_checkpoint
+from infosieve_fast.training.preemption import PREEMPTED_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 11  # the kill moments are drawn from this seed; attempts.json in the failure message lists them

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from benchmarks.tools import provenance
-from infosieve_fast import fingerprint, precision, source_tree
-from infosieve_fast.checkpoint import read_log
-from infosieve_fast.config import load_config
-from infosieve_fast.run_folder import train
+from infosieve_fast.common import precision, source_tree
+from infosieve_fast.common.files import read_log
+from infosieve_fast.config.settings import load_config
+from infosieve_fast.training import fingerprint
+from infosieve_fast.training.run_folder import train
 from tests.test_engine import smoke_config
 
 ROOT = source_tree.ROOT

@@ -18,7 +18,7 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from infosieve_fast.config import Config, ConfigError, load_config
+from infosieve_fast.config.settings import Config, ConfigError, load_config
 from infosieve_fast.data.reading.stream import ShardSource, decode_image
 from infosieve_fast.data.reading.tar import image_hw
 from infosieve_fast.data.shard_format import resized_size
@@ -279,6 +279,6 @@ def _lists_no_train_shard(manifest: dict) -> bool:
 
 
 def _intake(folder: Path):
-    from infosieve_fast.config import IntakeConfig
+    from infosieve_fast.config.settings import IntakeConfig
 
     return IntakeConfig(index_cache=str(folder / "index"))

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infosieve_fast.config import ConfigError, load_config
+from infosieve_fast.config.settings import ConfigError, load_config
 from infosieve_fast.data.reading import remote
 from infosieve_fast.data.reading.intake import shard_paths
 from infosieve_fast.data.reading.remote import cached_path

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from infosieve_fast.config import IntakeConfig
+from infosieve_fast.config.settings import IntakeConfig
 from infosieve_fast.data.reading import intake
 from infosieve_fast.data.reading.intake import ForeignKeys, cached_index
 from infosieve_fast.data.reading.stream import ShardSource

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from infosieve_fast import limits
-from infosieve_fast.config import ConfigError, IntakeConfig, load_config
+from infosieve_fast.common import limits
+from infosieve_fast.config.settings import ConfigError, IntakeConfig, load_config
 from infosieve_fast.data.reading import decode
 from infosieve_fast.data.reading.intake import open_foreign
 from infosieve_fast.data.reading.stream import decode_image

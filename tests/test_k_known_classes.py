@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from infosieve_fast import cli
-from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.config_checks import check_clusters_for_known
-from infosieve_fast.engine import Trainer
+from infosieve_fast.config.checks import check_clusters_for_known
+from infosieve_fast.config.settings import ConfigError, load_config
+from infosieve_fast.training.engine import Trainer
 from tests.test_engine import SMOKE
 
 FEWER = (

@@ -10,13 +10,13 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from benchmarks.published.kmeans import ReferenceSSKMeans
-from infosieve_fast.config import ConfigError, load_config
+from infosieve_fast.config.settings import ConfigError, load_config
+from infosieve_fast.evaluation.metrics import split_cluster_acc_v2
 from infosieve_fast.kmeans import faiss_available, semi_supervised_kmeans
 from infosieve_fast.kmeans.assign import _assign_capacity
 from infosieve_fast.kmeans.checks import _pick_backend
 from infosieve_fast.kmeans.problem import _cluster_sums, _Problem
 from infosieve_fast.kmeans.search import _recheck_threshold, _TorchOps
-from infosieve_fast.metrics import split_cluster_acc_v2
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -548,7 +548,7 @@ def test_cluster_sums_segment_path_equals_index_add(device, dtype):
 
 
 def test_cluster_size_and_frozen_centres_reach_the_training_rounds_from_the_config():
-    from infosieve_fast.engine import FeatureSet, Trainer
+    from infosieve_fast.training.engine import FeatureSet, Trainer
     from tests.test_engine import smoke_config
 
     u, l, t, _ = blobs(n=320, k=5, n_known=2, seed=4, spread=2.0, weights=IMBALANCED["weights"])

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from infosieve_fast import distributed as d
+from infosieve_fast.common import distributed as d
 from infosieve_fast.kmeans import semi_supervised_kmeans
 from tests.test_kmeans import blobs
 

@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from infosieve_fast.config import LossConfig, ModelConfig
-from infosieve_fast.loss import InfoSieveLoss
-from infosieve_fast.model import InfoSieve
+from infosieve_fast.config.settings import LossConfig, ModelConfig
+from infosieve_fast.network.loss import InfoSieveLoss
+from infosieve_fast.network.model import InfoSieve
 from tests.test_code_switches import TREE
 from tests.test_engine import smoke_config
 
@@ -88,7 +88,7 @@ def test_the_labeller_terms_stop_where_the_switch_says(stop, input_only_modules)
 
 
 def test_the_trainer_takes_the_switch_from_the_config():
-    from infosieve_fast.engine import Trainer
+    from infosieve_fast.training.engine import Trainer
 
     assert Trainer(smoke_config()).model.labeller_grad_stop == "none"
     assert Trainer(smoke_config("loss.labeller_grad_stop=backbone")).model.labeller_grad_stop == "backbone"

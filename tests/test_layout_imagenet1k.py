@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from infosieve_fast import cli
-from infosieve_fast.config import load_config
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.splits import class_split, gcd_split
 from infosieve_fast.data.writing.layouts import DATASETS, LayoutError, canonical_name, read_dataset
 

@@ -1,7 +1,7 @@
 """Training learns: a short run on the demo digits lifts All accuracy well above the untrained model's."""
 
-from infosieve_fast.config import load_config
-from infosieve_fast.run_folder import train
+from infosieve_fast.config.settings import load_config
+from infosieve_fast.training.run_folder import train
 
 # The first 480 train digits, 4 epochs of 15 steps, the smoke run's small head, seeds fixed (train.seed, the
 # config's split_seed). Training is deterministic on the CPU: three runs all gave All 0.406 before and 0.720 after

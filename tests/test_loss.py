@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import infosieve_kernels as kernels
-from infosieve_fast.config import LossConfig
-from infosieve_fast.loss import InfoSieveLoss
-from infosieve_fast.model import ModelOutput
+from infosieve_fast.config.settings import LossConfig
+from infosieve_fast.network.loss import InfoSieveLoss
+from infosieve_fast.network.model import ModelOutput
 from infosieve_kernels import reference as ref
 
 SEED = int(os.environ.get("INFOSIEVE_TEST_SEED", "0"))  # inputs: this and the test name; printed on failure

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from infosieve_fast import cli
-from infosieve_fast.config import IntakeConfig
+from infosieve_fast.config.settings import IntakeConfig
 from infosieve_fast.data.reading.stream import ShardSource
 
 CLASSES, PER_CLASS = 4, 3

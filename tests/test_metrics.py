@@ -1,4 +1,4 @@
-"""Tests for infosieve_fast.metrics (docs/reference.md §6).
+"""Tests for infosieve_fast.evaluation.metrics (docs/reference.md §6).
 
 Hand-made cases carry their answers worked out in comments; property tests compare against a slow, loop-by-loop
 transcription of the reference pseudo-code written here independently of the module.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from infosieve_fast.metrics import (
+from infosieve_fast.evaluation.metrics import (
     PROTOCOLS,
     cluster_acc,
     evaluate_split,

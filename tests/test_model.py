@@ -3,8 +3,15 @@ import timm
 import torch
 
 import infosieve_kernels as kernels
-from infosieve_fast.config import ModelConfig
-from infosieve_fast.model import Backbone, InfoSieve, Labeller, ProjectionHead, build_backbone, load_backbone_weights
+from infosieve_fast.config.settings import ModelConfig
+from infosieve_fast.network.model import (
+    Backbone,
+    InfoSieve,
+    Labeller,
+    ProjectionHead,
+    build_backbone,
+    load_backbone_weights,
+)
 
 TINY_VIT = dict(backbone="vit_tiny_patch16_224", backbone_kwargs={"depth": 4, "img_size": 32, "patch_size": 8})
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infosieve_fast.checkpoint import read_log
+from infosieve_fast.common.files import read_log
 from infosieve_fast.data.writing.shards import make_shards
 from tests.test_kmeans_distributed import _free_port
 

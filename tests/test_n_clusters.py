@@ -2,11 +2,11 @@
 
 import pytest
 
-from infosieve_fast.checkpoint import load_checkpoint
-from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.engine import Trainer
-from infosieve_fast.estimate_k import estimate_k
-from infosieve_fast.run_folder import train
+from infosieve_fast.config.settings import ConfigError, load_config
+from infosieve_fast.evaluation.estimate_k import estimate_k
+from infosieve_fast.training.checkpoint import load_checkpoint
+from infosieve_fast.training.engine import Trainer
+from infosieve_fast.training.run_folder import train
 from tests.test_engine import SMOKE
 
 

@@ -16,11 +16,13 @@ import pytest
 import torch
 from PIL import Image
 
-from infosieve_fast import checkpoint as ckpt
-from infosieve_fast import cli, predict
-from infosieve_fast.config import load_config
-from infosieve_fast.model import build_backbone
-from infosieve_fast.weight_check import NonFiniteWeights, check_weights
+from infosieve_fast import cli
+from infosieve_fast.commands import predict
+from infosieve_fast.common import files
+from infosieve_fast.config.settings import load_config
+from infosieve_fast.network.model import build_backbone
+from infosieve_fast.training import checkpoint as ckpt
+from infosieve_fast.training.weight_check import NonFiniteWeights, check_weights
 from tests.test_preemption import SMALL
 
 
@@ -75,7 +77,7 @@ def test_a_full_disk_during_the_background_checkpoint_write_is_a_disk_write_erro
     ckpt.save_checkpoint(tmp_path, {"epoch": 1})
     monkeypatch.setattr(ckpt.os, "fdopen", lambda fd, mode: FullDisk(fd, "wb"))
     ckpt.save_checkpoint_in_background(tmp_path, {"epoch": 2, "w": torch.zeros(10_000)})
-    with pytest.raises(ckpt.DiskWriteError) as err:  # torch raised RuntimeError("unexpected pos ...")
+    with pytest.raises(files.DiskWriteError) as err:  # torch raised RuntimeError("unexpected pos ...")
         ckpt.wait_for_checkpoint()
     assert str(err.value) == (
         f"the background checkpoint write failed: cannot write {tmp_path / ckpt.CHECKPOINT}: No space left on device "
@@ -90,7 +92,7 @@ def test_a_runtime_error_of_another_kind_is_not_called_a_disk_error(tmp_path):
         raise RuntimeError("a bug, not the disk")
 
     with pytest.raises(RuntimeError, match="a bug, not the disk"):
-        ckpt.atomic_write(tmp_path / "x", fails)
+        files.atomic_write(tmp_path / "x", fails)
 
 
 def test_an_unknown_backbone_kwargs_key_names_the_key_and_the_backbone():

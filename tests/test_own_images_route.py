@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from infosieve_fast import cli
-from infosieve_fast.config import ConfigError, load_config
+from infosieve_fast.commands.predict import model_from_run
+from infosieve_fast.common.labels import NO_LABEL
+from infosieve_fast.config.settings import ConfigError, load_config
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.data.writing.layout_discovery import read_discovery
 from infosieve_fast.data.writing.shards import make_shards
-from infosieve_fast.metrics import NO_LABEL
-from infosieve_fast.predict import model_from_run
-from infosieve_fast.run_folder import train
-from infosieve_fast.trainer_setup import check_config_fits_shards, check_stored_size
+from infosieve_fast.training.run_folder import train
+from infosieve_fast.training.trainer_setup import check_config_fits_shards, check_stored_size
 from tests.test_engine import SMOKE
 
 KNOWN, NOVEL = ("airplane", "automobile"), ("bird", "cat")
@@ -59,7 +59,7 @@ def test_eval_on_a_run_without_test_split_names_the_fix_and_train_does_not_sugge
     assert cli.main(["eval", "--run", str(base / "run"), "--split", "test"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "hold no test split" in err and "drop --split test" in err
-    from infosieve_fast.run_folder import print_next_steps
+    from infosieve_fast.training.run_folder import print_next_steps
 
     print_next_steps(base / "run", test_split=False)
     print_next_steps(base / "run", test_split=True)
@@ -70,8 +70,8 @@ def test_eval_on_a_run_without_test_split_names_the_fix_and_train_does_not_sugge
 def test_the_next_steps_of_a_run_on_your_own_images_go_through_predict_name_and_export(pool_run, capsys, tmp_path):
     """train's "next:" lines follow what the run is for: on your own images predict (the pool folder the shards were
     made of), name and export; without a novel cluster holding a pool image, that no new category was found."""
-    from infosieve_fast.discovery import nothing_new, pool_section
-    from infosieve_fast.run_folder import print_next_steps
+    from infosieve_fast.evaluation.discovery import nothing_new, pool_section
+    from infosieve_fast.training.run_folder import print_next_steps
 
     base, _ = pool_run
     run, shards = base / "run", str(base / "shards")

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from infosieve_fast import compare
-from infosieve_fast.checkpoint import CheckpointError, load_checkpoint
-from infosieve_fast.metrics import NO_LABEL
-from infosieve_fast.model import load_backbone_weights
-from infosieve_fast.report import write_report
-from infosieve_fast.run_folder import train
+from infosieve_fast.commands import compare
+from infosieve_fast.commands.report import write_report
+from infosieve_fast.common.files import CheckpointError
+from infosieve_fast.common.labels import NO_LABEL
+from infosieve_fast.network.model import load_backbone_weights
+from infosieve_fast.training.checkpoint import load_checkpoint
+from infosieve_fast.training.run_folder import train
 from tests.test_compare import fake_shards, restage
 from tests.test_engine import smoke_config
 

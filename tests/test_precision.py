@@ -1,11 +1,11 @@
-"""`infosieve_fast.precision`: TF32 switched through one API, so torch's legacy getters never see a mix."""
+"""`infosieve_fast.common.precision`: TF32 switched through one API, so torch's legacy getters never see a mix."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infosieve_fast import precision
+from infosieve_fast.common import precision
 
 MATMUL = torch.backends.cuda.matmul
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from infosieve_fast import predict
+from infosieve_fast.commands import predict
 from infosieve_fast.data.reading import tar
 from infosieve_fast.data.writing.shards import make_shards
 

@@ -9,13 +9,13 @@ import torch
 from PIL import Image
 
 from infosieve_fast import cli
-from infosieve_fast.checkpoint import load_checkpoint
-from infosieve_fast.config import load_config
+from infosieve_fast.commands.predict import model_from_run
+from infosieve_fast.commands.report import node_label
+from infosieve_fast.config.settings import load_config
 from infosieve_fast.data import digits
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.predict import model_from_run
-from infosieve_fast.report import node_label
-from infosieve_fast.run_folder import train
+from infosieve_fast.training.checkpoint import load_checkpoint
+from infosieve_fast.training.run_folder import train
 from tests.test_engine import SMOKE
 
 

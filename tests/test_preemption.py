@@ -1,6 +1,6 @@
-"""Preemption (infosieve_fast/preemption.py): the stop signals' handlers, and a torchrun launch with restarts in which
-one rank is stopped by SIGTERM and later killed by SIGKILL; the restarted groups resume by themselves (`--resume auto`)
-and end exactly as an uninterrupted launch.
+"""Preemption (infosieve_fast/training/preemption.py): the stop signals' handlers, and a torchrun launch with restarts
+in which one rank is stopped by SIGTERM and later killed by SIGKILL; the restarted groups resume by themselves
+(`--resume auto`) and end exactly as an uninterrupted launch.
 
 The single-process signal cases (SIGTERM and SIGUSR1 at random steps, SIGTERM in k-means) are in
 tests/test_fault_injection.py.
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from infosieve_fast import cli
-from infosieve_fast.config import ConfigError
-from infosieve_fast.preemption import PREEMPTED_EXIT, StopSignals
+from infosieve_fast.config.settings import ConfigError
+from infosieve_fast.training.preemption import PREEMPTED_EXIT, StopSignals
 from tests.test_fault_injection import assert_same_run
 
 ROOT = Path(__file__).resolve().parents[1]

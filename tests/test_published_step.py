@@ -37,11 +37,11 @@ import pytest
 import torch
 
 from benchmarks.published import train as pt
-from infosieve_fast.config import LossConfig, ModelConfig
+from infosieve_fast.config.settings import LossConfig, ModelConfig
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.data.reading.sampler import reference_labelled_share
-from infosieve_fast.loss import InfoSieveLoss
-from infosieve_fast.model import InfoSieve
+from infosieve_fast.network.loss import InfoSieveLoss
+from infosieve_fast.network.model import InfoSieve
 
 TINY = dict(
     backbone="vit_tiny_patch16_224",

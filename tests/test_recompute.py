@@ -1,5 +1,5 @@
-"""train.checkpoint_blocks (infosieve_fast/recompute.py): the same outputs and gradients as keeping everything, bit for
-bit; `cheap` recomputes the cheap ops and no matrix product, `on` the whole trained blocks, and the memory order
+"""train.checkpoint_blocks (infosieve_fast/network/recompute.py): the same outputs and gradients as keeping everything,
+bit for bit; `cheap` recomputes the cheap ops and no matrix product, `on` the whole trained blocks, and the memory order
 follows; `auto` is `cheap` only for an eager block on the GPU outside a CUDA graph capture."""
 
 import pytest
@@ -7,8 +7,8 @@ import torch
 from torch.profiler._memory_profiler import MemoryProfileTimeline
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from infosieve_fast import recompute
-from infosieve_fast.model import build_backbone
+from infosieve_fast.network import recompute
+from infosieve_fast.network.model import build_backbone
 from tests.test_model import tiny_cfg
 
 PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}

@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from infosieve_fast import checkpoint as ckpt
-from infosieve_fast import cli, engine
-from infosieve_fast.checkpoint import CheckpointError, load_checkpoint, read_log, save_checkpoint
-from infosieve_fast.config import ConfigError, config_drift, load_config, save_config
-from infosieve_fast.engine import Trainer
-from infosieve_fast.model import build_backbone
-from infosieve_fast.run_folder import train
-from infosieve_fast.run_reader import describe_run
+from infosieve_fast import cli
+from infosieve_fast.analysis.run_reader import describe_run
+from infosieve_fast.common.files import CheckpointError, read_log
+from infosieve_fast.config.settings import ConfigError, config_drift, load_config, save_config
+from infosieve_fast.network.model import build_backbone
+from infosieve_fast.training import checkpoint as ckpt
+from infosieve_fast.training import engine
+from infosieve_fast.training.checkpoint import load_checkpoint, save_checkpoint
+from infosieve_fast.training.engine import Trainer
+from infosieve_fast.training.run_folder import train
 from tests.test_engine import SMOKE, smoke_config
 
 ROOT = Path(__file__).resolve().parents[1]

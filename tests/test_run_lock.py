@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from infosieve_fast import cli
-from infosieve_fast.run_lock import LOCK, RunFolderBusy, held_run_folder
+from infosieve_fast.training.run_lock import LOCK, RunFolderBusy, held_run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 # takes the folder's lock as a run does, forks a child that outlives it (as a data worker can), says so, and waits
 HOLDER = """
 import os, sys, time
 from pathlib import Path
-from infosieve_fast.run_lock import held_run_folder
+from infosieve_fast.training.run_lock import held_run_folder
 with held_run_folder(Path(sys.argv[1])):
     child = os.fork()
     if child == 0:

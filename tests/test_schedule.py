@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from infosieve_fast.config import OptimConfig, ScheduleConfig
-from infosieve_fast.schedule import epoch_schedule
+from infosieve_fast.config.settings import OptimConfig, ScheduleConfig
+from infosieve_fast.training.schedule import epoch_schedule
 
 
 def test_age_and_base_match_the_reference_at_200_epochs():

@@ -11,12 +11,13 @@ from contextlib import redirect_stdout
 import numpy as np
 import pytest
 
-from infosieve_fast import cli, compare
-from infosieve_fast.checkpoint import load_checkpoint
+from infosieve_fast import cli
+from infosieve_fast.analysis.run_results import read_run, saved_tree
+from infosieve_fast.commands import compare
+from infosieve_fast.commands.report import confusion_figure, pyplot
+from infosieve_fast.common.wording import counted
 from infosieve_fast.data.writing.layout_discovery import read_discovery
-from infosieve_fast.report import confusion_figure, pyplot
-from infosieve_fast.run_results import read_run, saved_tree
-from infosieve_fast.wording import counted
+from infosieve_fast.training.checkpoint import load_checkpoint
 from tests.test_sweep import SMALL
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from infosieve_fast.config import Config
+from infosieve_fast.config.settings import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference.md"

@@ -3,9 +3,9 @@ time, as log.jsonl's seconds_features and seconds_kmeans are), and no "compiling
 
 import torch
 
-from infosieve_fast import engine
-from infosieve_fast.compiling import compiles
-from infosieve_fast.engine import Trainer
+from infosieve_fast.network.compiling import compiles
+from infosieve_fast.training import engine
+from infosieve_fast.training.engine import Trainer
 from tests.test_engine import smoke_config
 
 

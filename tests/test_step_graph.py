@@ -10,10 +10,17 @@ last test captures a real graph and runs where CUDA is (the GPU check's parity s
 import pytest
 import torch
 
-from infosieve_fast.config import ConfigError
-from infosieve_fast.engine import Trainer
-from infosieve_fast.loss_monitor import NonFiniteLoss
-from infosieve_fast.step_graph import WARMUP_STEPS, GraphedStep, GraphPlan, StepInputs, optimizer_capturable, plan
+from infosieve_fast.config.settings import ConfigError
+from infosieve_fast.training.engine import Trainer
+from infosieve_fast.training.loss_monitor import NonFiniteLoss
+from infosieve_fast.training.step_graph import (
+    WARMUP_STEPS,
+    GraphedStep,
+    GraphPlan,
+    StepInputs,
+    optimizer_capturable,
+    plan,
+)
 from tests.test_compiling import small_config as compiling_config
 
 FAKE_CUDA = torch.device("cuda")  # only the plan reads the device

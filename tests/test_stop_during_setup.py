@@ -1,6 +1,6 @@
 """A stop signal while a run is set up (its shards indexed, downloaded) ends it at once, and no worker process keeps it
-waiting: the workers forked under the run's stop handler end on SIGTERM (infosieve_fast/worker_processes.py,
-infosieve_fast/preemption.py). The signal cases inside the step loop are in tests/test_fault_injection.py."""
+waiting: the workers forked under the run's stop handler end on SIGTERM (infosieve_fast/common/worker_processes.py,
+infosieve_fast/training/preemption.py). The signal cases inside the step loop are in tests/test_fault_injection.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from infosieve_fast.data.reading import tar
-from infosieve_fast.preemption import PREEMPTED_EXIT, StoppedAtOnce, StopSignals
+from infosieve_fast.training.preemption import PREEMPTED_EXIT, StoppedAtOnce, StopSignals
 
 ROOT = Path(__file__).resolve().parents[1]
 

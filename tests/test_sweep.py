@@ -15,11 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from infosieve_fast import cli, run_folder, sweep
-from infosieve_fast.checkpoint import load_checkpoint, read_log
-from infosieve_fast.config import ConfigError, load_config
-from infosieve_fast.metrics import evaluate_split
-from infosieve_fast.preemption import PREEMPTED_EXIT, Preempted
+from infosieve_fast import cli
+from infosieve_fast.commands import sweep
+from infosieve_fast.common.files import read_log
+from infosieve_fast.config.settings import ConfigError, load_config
+from infosieve_fast.evaluation.metrics import evaluate_split
+from infosieve_fast.training import run_folder
+from infosieve_fast.training.checkpoint import load_checkpoint
+from infosieve_fast.training.preemption import PREEMPTED_EXIT, Preempted
 
 SMALL = ["schedule.epochs=2", "train.train_subset=96", "data.batch_size=32", "train.max_steps_per_epoch=2",
          "kmeans.n_init=1", "model.proj_out_dim=256", "model.proj_hidden_dim=128", "model.proj_bottleneck_dim=64",
@@ -294,7 +297,7 @@ def test_each_worker_sees_only_its_gpu_and_its_share_of_the_cores(tmp_path, monk
     for device in ("cuda:1", "cuda:0", "cpu"):
         sweep.start_worker(tmp_path, run, device, threads=3)
     assert [(gpu, threads) for _, gpu, threads in started] == [("1", "3"), ("0", "3"), ("", "3")]
-    assert started[0][0][1:] == ["-m", "infosieve_fast.sweep", str(tmp_path), "seed1"]
+    assert started[0][0][1:] == ["-m", "infosieve_fast.commands.sweep", str(tmp_path), "seed1"]
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's own setting wins
     sweep.start_worker(tmp_path, run, "cpu", threads=3)
     assert started[-1][2] == "5"

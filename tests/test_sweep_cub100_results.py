@@ -6,7 +6,7 @@ records."""
 import json
 from pathlib import Path
 
-from infosieve_fast.checkpoint import read_log
+from infosieve_fast.common.files import read_log
 from tests.test_sweep import check_summary_is_the_runs_statistics
 
 SWEEP = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sweep_cub100_code_distance"

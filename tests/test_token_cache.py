@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from infosieve_fast.code_metrics import code_features
-from infosieve_fast.config import ConfigError, load_config
+from infosieve_fast.config.settings import ConfigError, load_config
 from infosieve_fast.data.writing.shards import make_shards
-from infosieve_fast.engine import Trainer
+from infosieve_fast.evaluation.code_metrics import code_features
+from infosieve_fast.training.engine import Trainer
 
 TINY_VIT = [
     "train.device=cpu",

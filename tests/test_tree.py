@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from infosieve_fast.tree import build_tree, code_strings, format_tree
+from infosieve_fast.evaluation.tree import build_tree, code_strings, format_tree
 
 
 def test_code_strings_cut_at_the_first_switched_off_digit():

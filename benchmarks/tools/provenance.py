@@ -1,6 +1,6 @@
 """What a benchmark result must name: the commit it ran on, whether the tree was dirty, a hash of the code that ran,
 the device and the versions of what ran it; benchmarks take these from here only. The commit and the tree hash come
-from `infosieve_fast/source_tree.py` (run folders record the same).
+from `infosieve_fast/common/source_tree.py` (run folders record the same).
 
 `python -m benchmarks.tools.provenance --commit C` prints the hash of commit C's code, to check a result's `tree_hash`
 against the commit it names.
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import smoke
-from infosieve_fast.checkpoint import atomic_write
-from infosieve_fast.source_tree import ROOT, commit_tree_hash, git_state, tree_hash  # noqa: F401 (ROOT: re-exported)
+from infosieve_fast.common.files import atomic_write
+from infosieve_fast.common.source_tree import ROOT, commit_tree_hash, git_state, tree_hash  # noqa: F401 (ROOT: re-exported)
 
 
 def stamp() -> dict:

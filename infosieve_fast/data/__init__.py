@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import DataConfig, TrainConfig
+from ..config.settings import DataConfig, TrainConfig
 from .reading.base import Batch, GCDSource
 from .reading.memory import InMemoryGCD, digits
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..checkpoint import atomic_write, file_sha256
+from ..common.files import atomic_write, file_sha256
 from .shard_format import DISCOVERY, PNG_COMPRESS_LEVEL
 from .splits import EXPECTED_COUNTS, check_counts
 
@@ -255,3 +255,14 @@ def discovery_skipped(manifest: dict) -> dict[str, int]:
 
     parts = [part(s) for s in manifest["skipped"]]
     return {k: parts.count(k) for k in ("labelled", "held_out", "unlabelled")}
+
+
+def run_manifest(run: Path, shards: str | None) -> dict:
+    """The manifest.json of the shards the run trained on (its config's `data.shards`)."""
+    path = Path(shards or "") / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: {run} trained on shards without a make-shards manifest, so its images' files are "
+            "unknown (the gallery and export need a run on `make-shards --dataset discovery` shards)"
+        )
+    return read_manifest(path.parent, "train")

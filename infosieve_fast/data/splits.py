@@ -15,7 +15,7 @@ from importlib import resources
 
 import numpy as np
 
-from ..metrics import NO_LABEL
+from ..common.labels import NO_LABEL
 
 
 def labelled_subset(n: int, prop: float = 0.5, seed: int = 0) -> np.ndarray:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from infosieve_fast.distributed import all_reduce_sum
+from infosieve_fast.common.distributed import all_reduce_sum
 
 from .checks import _check_layout, _check_options, _chunk_rows, _Layout, _Options, _read_inputs
 from .problem import _CAPACITY_MATRIX_MAX, _cluster_sums, _host_syncs_are_free, _Problem

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from infosieve_fast.distributed import all_reduce_sum, get_world_size
+from infosieve_fast.common.distributed import all_reduce_sum, get_world_size
 
 from .multirank import _global_rank_within_cluster
 from .problem import _counts, _Problem, _restart_ids

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from infosieve_fast.distributed import all_reduce_any, all_reduce_max, all_reduce_sum
+from infosieve_fast.common.distributed import all_reduce_any, all_reduce_max, all_reduce_sum
 
 from .search import _chunks, faiss_available
 

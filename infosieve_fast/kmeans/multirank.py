@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from infosieve_fast.distributed import all_gather_cat, all_reduce_sum, get_world_size
+from infosieve_fast.common.distributed import all_gather_cat, all_reduce_sum, get_world_size
 
 
 def _global_rank_within_cluster(lab: torch.Tensor, dist: torch.Tensor, K: int):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infosieve_fast.distributed import all_reduce_sum
+from infosieve_fast.common.distributed import all_reduce_sum
 
 from .search import _chunks, _TorchOps
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from infosieve_fast.distributed import all_reduce_sum
+from infosieve_fast.common.distributed import all_reduce_sum
 
 from .assign import _assign_capacity, _assign_plain, _assign_reference_phase_a
 from .problem import _labelled_inertia, _Problem, _update_centers

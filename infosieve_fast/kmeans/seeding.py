@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from infosieve_fast.distributed import all_reduce_sum, get_world_size
+from infosieve_fast.common.distributed import all_reduce_sum, get_world_size
 
 from .multirank import _draw_across_ranks, _global_kth_smallest
 from .problem import _Problem

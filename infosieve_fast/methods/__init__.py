@@ -1,6 +1,6 @@
 """GCD methods on the shared engine, one module each: its heads, its loss, how it labels the train set (`base`).
 
-`METHODS` maps the config's `method:` value to the class; InfoSieve's own loss stays `infosieve_fast.loss`
+`METHODS` maps the config's `method:` value to the class; InfoSieve's own loss stays `infosieve_fast.network.loss`
 (`infosieve.py` adapts it to the interface).
 """
 

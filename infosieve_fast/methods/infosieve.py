@@ -1,15 +1,15 @@
 """InfoSieve (docs/reference.md §3) through the method interface: the existing `InfoSieveLoss`, unchanged.
 
-Its labeller reads the normalised projection rather than the backbone features, and `infosieve_fast.model.InfoSieve`
-builds and runs it today, so the step passes that model's whole output as the head output `MODEL_OUTPUT`.
-"""
+Its labeller reads the normalised projection rather than the backbone features, and
+`infosieve_fast.network.model.InfoSieve` builds and runs it today, so the step passes that model's whole output as the
+head output `MODEL_OUTPUT`. """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from ..config import LossConfig
-from ..loss import InfoSieveLoss
+from ..config.settings import LossConfig
+from ..network.loss import InfoSieveLoss
 from .base import Method, StepTensors
 
 MODEL_OUTPUT = "model_output"  # StepTensors.heads entry: the InfoSieve model's ModelOutput

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..model import WeightNormLinear
+from ..network.model import WeightNormLinear
 from .base import Method, StepTensors
 from .contrastive import cosine_info_nce, cosine_supcon, labelled_rows
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ... import distributed as dist
+from ...common import distributed as dist
 from .base import Batch
 from .decode import pad_into
 from .pools import BufferPool, cpu_threads

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...limits import check_image_pixels
+from ...common.limits import check_image_pixels
 from ..shard_format import resized_size
 from .tar import PNG_MAGIC, image_hw
 

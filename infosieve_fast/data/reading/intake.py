@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ...checkpoint import atomic_write
-from ...config import IntakeConfig
-from ...limits import MAX_CLASSES
+from ...common.files import atomic_write
+from ...common.limits import MAX_CLASSES
+from ...config.settings import IntakeConfig
 from ..shard_manifest import MANIFEST, ManifestError
 from ..splits import gcd_split
 from .remote import SHARD_SUFFIXES, fetch_all, is_remote

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...distributed import get_rank, get_world_size
+from ...common.distributed import get_rank, get_world_size
 from ..splits import gcd_split
 from .base import Batch
 from .sampler import sample_epoch

@@ -30,8 +30,8 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
-from ... import distributed as dist
-from ...checkpoint import atomic_write, file_sha256
+from ...common import distributed as dist
+from ...common.files import atomic_write, file_sha256
 from .tar import compression, ends_with_marker
 
 REMOTE_PREFIXES = ("pipe:", "http://", "https://")

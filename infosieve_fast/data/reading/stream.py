@@ -47,11 +47,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from ... import distributed as dist
-from ...config import DataConfig, IntakeConfig
-from ...metrics import NO_LABEL
-from ...shown_text import terminal_safe
-from ...worker_processes import start_reader_worker
+from ...common import distributed as dist
+from ...common.labels import NO_LABEL
+from ...common.shown_text import terminal_safe
+from ...common.worker_processes import start_reader_worker
+from ...config.settings import DataConfig, IntakeConfig
 from ..shard_format import DISCOVERY
 from ..shard_manifest import ManifestError, read_manifest, shard_file_problems
 from .base import Batch

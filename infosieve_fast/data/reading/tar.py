@@ -24,8 +24,8 @@ from functools import partial
 
 import numpy as np
 
-from ...limits import check_image_pixels
-from ...worker_processes import forked_pool
+from ...common.limits import check_image_pixels
+from ...common.worker_processes import forked_pool
 
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 IMAGE_KEYS = ("jpg", "png")  # a sample's image, by the shards' --image-format

@@ -9,7 +9,7 @@ import zlib
 
 import numpy as np
 
-from ...limits import open_image
+from ...common.limits import open_image
 from ..shard_format import IMAGE_FORMATS, PNG_COMPRESS_LEVEL, resized_size
 
 JPEG_QUALITY = 95

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...metrics import NO_LABEL
-from ...wording import counted
+from ...common.labels import NO_LABEL
+from ...common.wording import counted
 from ..shard_format import DISCOVERY, IMAGE_SUFFIXES
 from .layout_common import LayoutError, RawDataset, class_dirs, need, relative_paths
 

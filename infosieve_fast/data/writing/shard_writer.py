@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ...checkpoint import atomic_write
-from ...shown_text import terminal_safe
-from ...worker_processes import forked_pool
+from ...common.files import atomic_write
+from ...common.shown_text import terminal_safe
+from ...common.worker_processes import forked_pool
 from ..shard_format import DISCOVERY
 from ..shard_manifest import ORDER_SEED, PROP, SPLIT_SEED, ShardsError, file_sha256
 from ..splits import discovery_counts, discovery_split, gcd_split, split_counts

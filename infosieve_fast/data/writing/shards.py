@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...shown_text import terminal_safe
-from ...wording import counted
+from ...common.shown_text import terminal_safe
+from ...common.wording import counted
 from ..shard_format import DISCOVERY, IMAGE_FORMATS, resized_size
 from ..shard_manifest import (
     FORMAT,
