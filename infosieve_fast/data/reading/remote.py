@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import os
+import signal
 import subprocess
 import time
 import urllib.error
@@ -158,9 +160,16 @@ def _declared_length(header: str | None) -> int | None:
 
 def _run_pipe(url: str, out: BinaryIO, bar: tqdm) -> bool:
     command = url[len("pipe:") :]
-    with subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
-        _copy(proc.stdout, out, bar)
-        error = proc.stderr.read().decode(errors="replace").strip()
+    # its own session, so that a stop ends the command and whatever it started (`proc.kill` would end the shell only)
+    with subprocess.Popen(
+        command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    ) as proc:
+        try:
+            _copy(proc.stdout, out, bar)
+            error = proc.stderr.read().decode(errors="replace").strip()
+        except BaseException:  # a stop signal, a full disk: Popen's exit would wait for the command to end by itself
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
     if proc.returncode != 0:
         raise RuntimeError(
             f"data.shards {url}: the command exited with status {proc.returncode}"

@@ -4,6 +4,8 @@ lossless PNG. Runs in make-shards' worker processes (`encode_job`)."""
 from __future__ import annotations
 
 import io
+import os
+import stat
 import struct
 import zlib
 
@@ -21,9 +23,19 @@ def load_rgb(source) -> Image.Image:  # noqa: F821
 
     if isinstance(source, np.ndarray):
         return Image.fromarray(source, "RGB")
+    refuse_special_file(source)
     with open_image(source) as im:
         im.load()
         return im.convert("RGB")
+
+
+def refuse_special_file(path) -> None:
+    """A FIFO, socket or device among the images is refused before it is opened: reading a FIFO waits for a writer
+    that may never come."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device or special file"
+        raise ValueError(f"{path} is {kind}, not a regular file")
 
 
 def resize_image(im: Image.Image, size: int) -> Image.Image:  # noqa: F821
