@@ -121,8 +121,9 @@ def test_export_never_writes_over_a_file(finished, tmp_path, capsys):
     assert (root / "labelled" / "a" / "0.jpg").read_bytes() == known
 
 
-def test_a_failed_export_leaves_no_half_folder(finished, tmp_path, monkeypatch):
-    """The disk fills after five files: --out is as it was (here: absent), and nothing is left beside it."""
+def test_a_failed_export_leaves_no_half_folder(finished, tmp_path, monkeypatch, capsys):
+    """The disk fills after five files: one line and exit 1, --out is as it was (here: absent), and nothing is left
+    beside it."""
     _, run = finished
     named(run, "Blue Jay")
     written = []
@@ -135,8 +136,9 @@ def test_a_failed_export_leaves_no_half_folder(finished, tmp_path, monkeypatch):
 
     monkeypatch.setattr(export, "link_or_copy", five_then_full)
     out = tmp_path / "round2"
-    with pytest.raises(OSError, match="No space left"):
-        cli.main(["export", "--run", str(run), "--out", str(out)])
+    assert cli.main(["export", "--run", str(run), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "No space left on device (errno 28); free space there" in err, err
     assert len(written) == 5 and not out.exists() and not list(tmp_path.glob(".round2*"))
 
 
