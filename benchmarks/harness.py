@@ -5,10 +5,10 @@
 - `timed(device)`: a block's wall seconds, the device synchronised before and after it (`sync`);
 - `Stopwatch`: the host's wall clock since a start, for what is not one block (a deadline, a running total).
 
-Per-call times are taken here rather than with `triton.testing.do_bench`: the timed calls are whole training steps and
-k-means rounds as well as kernels, do_bench flushes the L2 cache before every call (a cold-cache figure the results
-committed so far do not measure), picks its repeat count from a time target instead of the benchmark's `--reps` and
-time budget, and gives no host-side issue time, which bench_kernels reports next to the device time.
+Per-call times are taken here rather than with `triton.testing.do_bench` (which `kernel_runner.py` uses for the kernel
+calls on CUDA, and this CPU timer elsewhere): the timed calls here are whole training steps and k-means rounds, do_bench
+flushes the L2 cache before every call (a cold-cache figure), picks its repeat count from a time target instead of a
+benchmark's `--reps` and time budget, and gives no host-side issue time.
 
 Provenance and JSON output: `benchmarks/tools/provenance.py` (`stamp`, `emit_json`, `device_name`, `versions`); sizes
 for CI in `benchmarks/smoke.py`. A CPU benchmark's JSON opens with `cpu_report` (provenance, the command, the machine

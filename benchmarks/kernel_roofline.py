@@ -16,25 +16,35 @@ from torch import Tensor
 from benchmarks.datasheet import Card
 from benchmarks.harness import sync
 
-CODE_HEAD_ARRAYS = 14  # [N, L] arrays moved: x, y in; raw, mask, code, trunc out; x, y and 4 grads in; dx, dy out
-CONTRASTIVE_FEATURE_PASSES = 6  # [N, D] passes over both losses: each reads F forward, reads F and writes dF backward
-CONTRASTIVE_GEMMS = 4  # N x N x D products over both losses: each the Gram forward and one product backward
+# per mode: [N, L] arrays moved by the code head: x, y in, raw, mask, code, trunc out; x, y and 4 grads in, dx, dy out
+CODE_HEAD_ARRAYS = {"forward": 6, "backward": 8}
+# [N, D] passes over both contrastive losses: each reads F forward, reads F and writes dF backward
+CONTRASTIVE_FEATURE_PASSES = {"forward": 2, "backward": 4}
+# N x N x D products over both contrastive losses: each the Gram forward and one product backward
+CONTRASTIVE_GEMMS = {"forward": 2, "backward": 2}
 
 
-def code_head_work(n: int, length: int, element_bytes: int = 4) -> dict:
+def in_mode(counts: dict[str, int], mode: str) -> int:
+    """A count of one mode, "forward", "backward" or "full" (forward + backward)."""
+    return counts["forward"] + counts["backward"] if mode == "full" else counts[mode]
+
+
+def code_head_work(n: int, length: int, element_bytes: int = 4, mode: str = "full") -> dict:
+    arrays = in_mode(CODE_HEAD_ARRAYS, mode)
     return {
-        "bytes": CODE_HEAD_ARRAYS * n * length * element_bytes,
+        "bytes": arrays * n * length * element_bytes,
         "flops": None,
-        "model": f"{CODE_HEAD_ARRAYS} [N, L] arrays read or written once (forward + backward); elementwise math only",
+        "model": f"{arrays} [N, L] arrays read or written once ({mode}); elementwise math only",
     }
 
 
-def contrastive_work(n: int, d: int, element_bytes: int = 4) -> dict:
+def contrastive_work(n: int, d: int, element_bytes: int = 4, mode: str = "full") -> dict:
+    passes, gemms = in_mode(CONTRASTIVE_FEATURE_PASSES, mode), in_mode(CONTRASTIVE_GEMMS, mode)
     return {
-        "bytes": CONTRASTIVE_FEATURE_PASSES * n * d * element_bytes,
-        "flops": CONTRASTIVE_GEMMS * 2 * n * n * d,
-        "model": "InfoNCE + SupCon, forward + backward: each reads F, reads F again and writes dF (6 [N, D] "
-        "passes); each a Gram product forward and one product backward (4 x 2 N^2 D FLOPs)",
+        "bytes": passes * n * d * element_bytes,
+        "flops": gemms * 2 * n * n * d,
+        "model": f"InfoNCE + SupCon ({mode}): {passes} [N, D] passes (each loss reads F forward, reads F and writes "
+        f"dF backward); {gemms} Gram-sized products (each loss one forward, one backward), 2 N^2 D FLOPs each",
     }
 
 

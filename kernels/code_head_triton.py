@@ -3,17 +3,21 @@
 `code_head(code_feat, mask_feat, age, code_weight, length_weight)` computes the same `CodeHead` as
 `reference.code_head`, forward and backward, with three small kernels:
 
-- forward (`_fwd_kernel`): program p owns a contiguous run of `tiles_per_prog` row tiles of [BLOCK_N, BLOCK_L]
-  (BLOCK_L = next_pow2(L), BLOCK_N * BLOCK_L ~ 2048 elements). It reads each input element once, writes the four
-  [N, L] outputs once, and keeps per-column running sums (sum_i z, sum_i (1 - z^2), sum_i (m (1 - m))^2, sum_i m) in
-  registers (per element, reduced once at the end). At most `8 x SMs` programs run, so for N = 1M, L = 40 each
-  program covers 32 tiles.
-- finalize (`_finalize_kernel`, one program): sums the programs' partial rows [P, BLOCK_L + 4] in a fixed order (a
-  deterministic two-stage reduction: no atomics) and writes the column means (kept for the backward) and the three
-  scalar terms. When one program covers the whole batch (small N, e.g. the training shape N = 256) the forward kernel
-  finishes the reduction itself and this launch is skipped.
-- backward (`_bwd_kernel`): one tile per program, recomputes z and m from the inputs, folds the grads of all seven
-  outputs (absent ones are compile-time switched off) and writes d code_feat and d mask_feat once each.
+- forward (`_code_head_fwd_kernel`): program p owns a contiguous run of `tiles_per_prog` row tiles of
+  [BLOCK_N, BLOCK_L] (BLOCK_L = next_pow2(L), BLOCK_N * BLOCK_L ~ 2048 elements). It reads each input element once,
+  writes the four [N, L] outputs once, and keeps per-column running sums (sum_i z, sum_i (1 - z^2),
+  sum_i (m (1 - m))^2, sum_i m) in registers (per element, reduced once at the end). At most `8 x SMs` programs run,
+  so for N = 1M, L = 40 each program covers 32 tiles.
+- finalize (`_code_head_fwd_finalize_kernel`, one program): sums the programs' partial rows [P, BLOCK_L + 4] in a
+  fixed order (a deterministic two-stage reduction: no atomics) and writes the column means (kept for the backward)
+  and the three scalar terms. When one program covers the whole batch (small N, e.g. the training shape N = 256) the
+  forward kernel finishes the reduction itself and this launch is skipped.
+- backward (`_code_head_bwd_kernel`): one tile per program, recomputes z and m from the inputs, folds the grads of
+  all seven outputs (absent ones are compile-time switched off, their pointers None) and writes d code_feat and
+  d mask_feat once each.
+
+The file reads top to bottom: device math, the three kernels, then the host side (launch sizes, `_forward` and
+`_backward`, which launch the kernels, the `autograd.Function` over them) and the checked public `code_head`.
 
 Precision: fp32 arithmetic for fp16/bf16/fp32 inputs, fp64 for fp64 inputs. Outputs come back in the input dtype,
 the three scalar terms in the compute dtype (fp32, or fp64 for fp64 inputs). tanh and the sigmoid are written with
@@ -40,9 +44,17 @@ from torch import Tensor
 from . import launch
 from .reference import CodeHead, positional_weights
 
-__all__ = ["CodeHead", "code_head", "launch_config", "make_inputs"]
+__all__ = [
+    "MAX_L",
+    "PROGRAMS_PER_SM",
+    "SINGLE_PROGRAM_ELEMENTS",
+    "TILE_ELEMENTS",
+    "CodeHead",
+    "code_head",
+    "launch_config",
+    "make_inputs",
+]
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_L = 4096  # register tiles hold a whole row; the InfoSieve code length is 40 (the issue asks for up to 256)
 TILE_ELEMENTS = 2048  # BLOCK_N * BLOCK_L per tile: the fastest of 2048, 4096 and 8192 in a GPU sweep
 SINGLE_PROGRAM_ELEMENTS = 32768  # at most this many (padded) elements: one forward program, no finalize launch
@@ -132,11 +144,10 @@ def _finish(colsum_z, s_omz2, s_mm, s_len, inv_w, cols, col_ok, N, mean_ptr, cc_
 
 
 @triton.jit
-def _load_weights(w_ptr, lw_ptr, cols, col_ok, CT: tl.constexpr):
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(CT)
+def _inverse_weights(lw_ptr, cols, col_ok, CT: tl.constexpr):
+    """1 / length_weight on the code's columns, 0 on the padding."""
     lw = tl.load(lw_ptr + cols, mask=col_ok, other=1.0).to(CT)
-    inv_w = tl.where(col_ok, 1.0 / lw, 0.0)
-    return w, inv_w
+    return tl.where(col_ok, 1.0 / lw, 0.0)
 
 
 @triton.jit
@@ -146,12 +157,12 @@ def _prologue(age_hi, age_lo, c_hi, c_lo, w_ptr, lw_ptr, L: tl.constexpr, BLOCK_
     shift = tl.cast(c_hi, CT) + tl.cast(c_lo, CT)
     cols = tl.arange(0, BLOCK_L)
     col_ok = cols < L
-    w, inv_w = _load_weights(w_ptr, lw_ptr, cols, col_ok, CT)
-    return age, shift, cols, col_ok, w, inv_w
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(CT)
+    return age, shift, cols, col_ok, w, _inverse_weights(lw_ptr, cols, col_ok, CT)
 
 
 @triton.jit
-def _fwd_kernel(
+def _code_head_fwd_kernel(
     # input pointers and their strides (row n, column l)
     x_ptr,  # code_feat [N, L]
     y_ptr,  # mask_feat [N, L]
@@ -166,7 +177,7 @@ def _fwd_kernel(
     mask_ptr,
     code_ptr,
     trunc_ptr,  # trunc_code
-    part_ptr,  # per-program partial sums [P, BLOCK_L + 4] (column sums of z, then three scalars); unused when FINAL
+    part_ptr,  # per-program partial sums [P, BLOCK_L + 4] (column sums of z, then three scalars); None when FINAL
     mean_ptr,  # column means of z [L], kept for the backward
     cc_ptr,  # code_cond
     mc_ptr,  # mask_cond
@@ -233,8 +244,8 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _finalize_kernel(
-    # pointers (as in _fwd_kernel): the partial sums and length_weight in, the reductions out
+def _code_head_fwd_finalize_kernel(
+    # pointers (as in _code_head_fwd_kernel): the partial sums and length_weight in, the reductions out
     part_ptr,
     lw_ptr,
     mean_ptr,
@@ -252,7 +263,7 @@ def _finalize_kernel(
     CT: tl.constexpr = mean_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_L)
     col_ok = cols < L
-    _, inv_w = _load_weights(lw_ptr, lw_ptr, cols, col_ok, CT)
+    inv_w = _inverse_weights(lw_ptr, cols, col_ok, CT)
     acc_z = tl.zeros([BLOCK_P, BLOCK_L], dtype=CT)
     acc_omz2 = tl.zeros([BLOCK_P], dtype=CT)
     acc_mm = tl.zeros([BLOCK_P], dtype=CT)
@@ -273,8 +284,8 @@ def _finalize_kernel(
 
 
 @triton.jit
-def _bwd_kernel(
-    # input pointers and strides, and the column means: as in _fwd_kernel
+def _code_head_bwd_kernel(
+    # input pointers and strides, and the column means: as in _code_head_fwd_kernel
     x_ptr,
     y_ptr,
     sx_n,
@@ -285,7 +296,7 @@ def _bwd_kernel(
     lw_ptr,
     mean_ptr,
     # upstream gradients of the four [N, L] outputs with their strides (row n, column l), then of the three scalars;
-    # an absent one (HAS_* False) is a dummy pointer
+    # an absent one (HAS_* False) is None, its strides too
     g_raw_ptr,
     sgr_n,
     sgr_l,
@@ -301,17 +312,17 @@ def _bwd_kernel(
     g_cc_ptr,
     g_mc_ptr,
     g_len_ptr,
-    # output pointers: d code_feat, d mask_feat [N, L] (contiguous)
+    # output pointers: d code_feat, d mask_feat [N, L] (contiguous); None when not wanted (NEED_* False)
     dx_ptr,
     dy_ptr,
-    # size and scalars: as in _fwd_kernel
+    # size and scalars: as in _code_head_fwd_kernel
     N,
     age_hi,
     age_lo,
     c_hi,
     c_lo,
-    # meta-parameters: as in _fwd_kernel, plus the *_CONTIG flags of the gradients, which gradients are present
-    # (HAS_*), and which input gradients are wanted (NEED_*)
+    # meta-parameters: as in _code_head_fwd_kernel, plus the *_CONTIG flags of the gradients, which gradients are
+    # present (HAS_*), and which input gradients are wanted (NEED_*)
     L: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -389,11 +400,6 @@ def _bwd_kernel(
 
 
 # ------------------------------------------------------------------------------------------------------------ host side
-def _scalars(age: float) -> tuple[float, float, float, float]:
-    """(age_hi, age_lo, c_hi, c_lo) with c = 1/(age + 1): the kernels' fp32 scalar arguments."""
-    return (*launch.fp32_pair(age), *launch.fp32_pair(1.0 / (age + 1.0)))
-
-
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -444,14 +450,161 @@ def _launch_config(n: int, length: int, device: torch.device) -> dict[str, int]:
     }
 
 
+def _scalars(age: float) -> dict[str, float]:
+    """The kernels' scalar arguments: age and c = 1/(age + 1), each an fp32 hi/lo pair."""
+    age_hi, age_lo = launch.fp32_pair(age)
+    c_hi, c_lo = launch.fp32_pair(1.0 / (age + 1.0))
+    return dict(age_hi=age_hi, age_lo=age_lo, c_hi=c_hi, c_lo=c_lo)
+
+
+def _contig(t: Tensor | None) -> bool:
+    """Row-major contiguous [N, L] (the kernels then index it without its strides); False for an absent gradient."""
+    return t is not None and t.stride(1) == 1 and (t.stride(0) == t.shape[1] or t.shape[0] == 1)
+
+
+def _stride(t: Tensor | None, dim: int) -> int | None:
+    return None if t is None else t.stride(dim)
+
+
+def _tile_args(cfg: dict, x: Tensor, y: Tensor, w: Tensor, lw: Tensor) -> dict:
+    """The arguments the forward and backward row-tile launches take alike: the inputs with their strides, and the
+    compile-time code length, tile shape, whether the code and mask logits are contiguous (then their strides are
+    constant), and the warps."""
+    return dict(
+        x_ptr=x,
+        y_ptr=y,
+        sx_n=x.stride(0),
+        sx_l=x.stride(1),
+        sy_n=y.stride(0),
+        sy_l=y.stride(1),
+        w_ptr=w.contiguous(),
+        lw_ptr=lw.contiguous(),
+        L=x.shape[1],
+        BLOCK_N=cfg["block_n"],
+        BLOCK_L=cfg["block_l"],
+        X_CONTIG=_contig(x),
+        Y_CONTIG=_contig(y),
+        num_warps=cfg["num_warps"],
+    )
+
+
+def _forward(x: Tensor, y: Tensor, age: float, w: Tensor, lw: Tensor) -> tuple[CodeHead, Tensor]:
+    """The seven outputs and the column means of z (kept for the backward): one forward launch, and a finalize
+    launch when several programs share the batch."""
+    n, length = x.shape
+    ct = launch.compute_dtype(x.dtype)
+    cfg = launch_config(n, length, x.device)
+    raw, mask, code, trunc = (launch.new_buffer((n, length), dtype=x.dtype, device=x.device) for _ in range(4))
+    colmean = launch.new_buffer((length,), dtype=ct, device=x.device)
+    cc, mc, ln = (launch.new_buffer((), dtype=ct, device=x.device) for _ in range(3))
+    programs, final = cfg["fwd_programs"], cfg["finalize"] == 0
+    part = None if final else launch.new_buffer((programs, cfg["block_l"] + 4), dtype=ct, device=x.device)
+    _code_head_fwd_kernel[(programs,)](
+        **_tile_args(cfg, x, y, w, lw),
+        raw_ptr=raw,
+        mask_ptr=mask,
+        code_ptr=code,
+        trunc_ptr=trunc,
+        part_ptr=part,
+        mean_ptr=colmean,
+        cc_ptr=cc,
+        mc_ptr=mc,
+        len_ptr=ln,
+        N=n,
+        tiles_per_prog=cfg["tiles_per_prog"],
+        **_scalars(age),
+        FINAL=final,
+    )
+    if not final:
+        _code_head_fwd_finalize_kernel[(1,)](
+            part_ptr=part,
+            lw_ptr=lw.contiguous(),
+            mean_ptr=colmean,
+            cc_ptr=cc,
+            mc_ptr=mc,
+            len_ptr=ln,
+            N=n,
+            P=programs,
+            L=length,
+            BLOCK_L=cfg["block_l"],
+            BLOCK_P=cfg["block_p"],
+            num_warps=4,
+        )
+    return CodeHead(raw, mask, code, trunc, cc, mc, ln), colmean
+
+
+def _backward(x, y, age, w, lw, colmean, grads, need_dx, need_dy) -> tuple[Tensor | None, Tensor | None]:
+    """(d code_feat, d mask_feat) from the upstream `grads` of the seven outputs (None where an output got none): one
+    launch, one tile per program; an input gradient nothing flows into is None."""
+    g_raw, g_mask, g_code, g_trunc, g_cc, g_mc, g_len = grads
+    need_dx = need_dx and any(g is not None for g in (g_raw, g_code, g_trunc, g_cc))
+    need_dy = need_dy and any(g is not None for g in (g_mask, g_trunc, g_mc, g_len))
+    if not (need_dx or need_dy):
+        return None, None
+    n, length = x.shape
+    cfg = launch_config(n, length, x.device)
+    dx = launch.new_buffer((n, length), dtype=x.dtype, device=x.device) if need_dx else None
+    dy = launch.new_buffer((n, length), dtype=y.dtype, device=y.device) if need_dy else None
+    _code_head_bwd_kernel[(cfg["bwd_programs"],)](
+        **_tile_args(cfg, x, y, w, lw),
+        mean_ptr=colmean,
+        g_raw_ptr=g_raw,
+        sgr_n=_stride(g_raw, 0),
+        sgr_l=_stride(g_raw, 1),
+        g_mask_ptr=g_mask,
+        sgm_n=_stride(g_mask, 0),
+        sgm_l=_stride(g_mask, 1),
+        g_code_ptr=g_code,
+        sgc_n=_stride(g_code, 0),
+        sgc_l=_stride(g_code, 1),
+        g_trunc_ptr=g_trunc,
+        sgt_n=_stride(g_trunc, 0),
+        sgt_l=_stride(g_trunc, 1),
+        g_cc_ptr=None if g_cc is None else g_cc.reshape(()),
+        g_mc_ptr=None if g_mc is None else g_mc.reshape(()),
+        g_len_ptr=None if g_len is None else g_len.reshape(()),
+        dx_ptr=dx,
+        dy_ptr=dy,
+        N=n,
+        **_scalars(age),
+        GR_CONTIG=_contig(g_raw),
+        GM_CONTIG=_contig(g_mask),
+        GC_CONTIG=_contig(g_code),
+        GT_CONTIG=_contig(g_trunc),
+        HAS_RAW=g_raw is not None,
+        HAS_MASK=g_mask is not None,
+        HAS_CODE=g_code is not None,
+        HAS_TRUNC=g_trunc is not None,
+        HAS_CC=g_cc is not None,
+        HAS_MC=g_mc is not None,
+        HAS_LEN=g_len is not None,
+        NEED_DX=need_dx,
+        NEED_DY=need_dy,
+    )
+    return dx, dy
+
+
+class _CodeHeadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, code_feat, mask_feat, age, code_weight, length_weight):
+        out, colmean = _forward(code_feat, mask_feat, age, code_weight, length_weight)
+        ctx.save_for_backward(code_feat, mask_feat, code_weight, length_weight, colmean)
+        ctx.age = age
+        ctx.set_materialize_grads(False)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, y, w, lw, colmean = ctx.saved_tensors
+        dx, dy = _backward(x, y, ctx.age, w, lw, colmean, grads, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dx, dy, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------------------- public
 def _check(code_feat, mask_feat, age, code_weight, length_weight) -> float:
-    for name, t in (("code_feat", code_feat), ("mask_feat", mask_feat)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"code_head: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise ValueError(f"code_head: {name} must be 2-D [N, L], got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"code_head: {name} has dtype {t.dtype}; supported: {SUPPORTED_DTYPES}")
+    """The checked `age` as a float; a one-line error naming the first bad argument."""
+    launch.check_float_matrix(code_feat, "code_head", "code_feat", "[N, L]")
+    launch.check_float_matrix(mask_feat, "code_head", "mask_feat", "[N, L]")
     if code_feat.shape != mask_feat.shape:
         raise ValueError(
             f"code_head: code_feat {tuple(code_feat.shape)} and mask_feat {tuple(mask_feat.shape)} "
@@ -487,113 +640,6 @@ def _check(code_feat, mask_feat, age, code_weight, length_weight) -> float:
     if not math.isfinite(age) or age == -1.0:
         raise ValueError(f"code_head: age must be finite and not -1 (1/(age+1) is used), got {age}")
     return age
-
-
-def _contig(t: Tensor) -> bool:
-    return t.stride(1) == 1 and (t.stride(0) == t.shape[1] or t.shape[0] == 1)
-
-
-def _tile_meta(cfg: dict, x: Tensor, y: Tensor) -> dict:
-    """The compile-time arguments every row-tile launch takes: the code length, the tile shape, whether the code and
-    mask logits are contiguous (then their strides are constant), and the warps."""
-    length = x.shape[1]
-    return dict(
-        L=length,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_L=cfg["block_l"],
-        X_CONTIG=_contig(x),
-        Y_CONTIG=_contig(y),
-        num_warps=cfg["num_warps"],
-    )
-
-
-def _forward(x: Tensor, y: Tensor, age: float, w: Tensor, lw: Tensor):
-    n, length = x.shape
-    ct = launch.compute_dtype(x.dtype)
-    cfg = launch_config(n, length, x.device)
-    w, lw = w.contiguous(), lw.contiguous()
-    raw, mask, code, trunc = (launch.new_buffer((n, length), dtype=x.dtype, device=x.device) for _ in range(4))
-    colmean = launch.new_buffer((length,), dtype=ct, device=x.device)
-    cc, mc, ln = (launch.new_buffer((), dtype=ct, device=x.device) for _ in range(3))
-    programs, final = cfg["fwd_programs"], cfg["finalize"] == 0
-    part = colmean if final else launch.new_buffer((programs, cfg["block_l"] + 4), dtype=ct, device=x.device)
-    inputs = (x, y, *x.stride(), *y.stride(), w, lw)
-    outputs = (raw, mask, code, trunc, part, colmean, cc, mc, ln)
-    meta = _tile_meta(cfg, x, y)
-    _fwd_kernel[(programs,)](*inputs, *outputs, n, cfg["tiles_per_prog"], *_scalars(age), FINAL=final, **meta)
-    if not final:
-        _finalize_kernel[(1,)](
-            part,
-            lw,
-            colmean,
-            cc,
-            mc,
-            ln,
-            n,
-            programs,
-            L=length,
-            BLOCK_L=cfg["block_l"],
-            BLOCK_P=cfg["block_p"],
-            num_warps=4,
-        )
-    return CodeHead(raw, mask, code, trunc, cc, mc, ln), colmean
-
-
-def _backward(x, y, age, w, lw, colmean, grads, need_dx, need_dy):
-    g_raw, g_mask, g_code, g_trunc, g_cc, g_mc, g_len = grads
-    need_dx = need_dx and any(g is not None for g in (g_raw, g_code, g_trunc, g_cc))
-    need_dy = need_dy and any(g is not None for g in (g_mask, g_trunc, g_mc, g_len))
-    if not (need_dx or need_dy):
-        return None, None
-    n, length = x.shape
-    cfg = launch_config(n, length, x.device)
-    dx = launch.new_buffer((n, length), dtype=x.dtype, device=x.device) if need_dx else colmean
-    dy = launch.new_buffer((n, length), dtype=y.dtype, device=y.device) if need_dy else colmean
-
-    def tensor_arg(g):  # (pointer, stride_n, stride_l, contiguous); a dummy pointer when the grad is absent
-        if g is None:
-            return colmean, 0, 0, True
-        return g, g.stride(0), g.stride(1), _contig(g)
-
-    def scalar_arg(g):
-        return colmean if g is None else g.reshape(())
-
-    gr, gm, gc, gt = (tensor_arg(g) for g in (g_raw, g_mask, g_code, g_trunc))
-    inputs = (x, y, *x.stride(), *y.stride(), w.contiguous(), lw.contiguous(), colmean)
-    grad_args = (*gr[:3], *gm[:3], *gc[:3], *gt[:3], *(scalar_arg(g) for g in (g_cc, g_mc, g_len)))
-    grad_names = ("RAW", "MASK", "CODE", "TRUNC", "CC", "MC", "LEN")  # the kernel's HAS_* flags, in `grads`' order
-    has_grad = {f"HAS_{k}": g is not None for k, g in zip(grad_names, grads, strict=True)}
-    grad_contig = {f"{k}_CONTIG": arg[3] for k, arg in zip(("GR", "GM", "GC", "GT"), (gr, gm, gc, gt), strict=True)}
-    _bwd_kernel[(cfg["bwd_programs"],)](
-        *inputs,
-        *grad_args,
-        dx,
-        dy,
-        n,
-        *_scalars(age),
-        NEED_DX=need_dx,
-        NEED_DY=need_dy,
-        **_tile_meta(cfg, x, y),
-        **grad_contig,
-        **has_grad,
-    )
-    return (dx if need_dx else None), (dy if need_dy else None)
-
-
-class _CodeHeadFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, code_feat, mask_feat, age, code_weight, length_weight):
-        out, colmean = _forward(code_feat, mask_feat, age, code_weight, length_weight)
-        ctx.save_for_backward(code_feat, mask_feat, code_weight, length_weight, colmean)
-        ctx.age = age
-        ctx.set_materialize_grads(False)
-        return tuple(out)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x, y, w, lw, colmean = ctx.saved_tensors
-        dx, dy = _backward(x, y, ctx.age, w, lw, colmean, grads, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dy, None, None, None
 
 
 def code_head(code_feat: Tensor, mask_feat: Tensor, age: float, code_weight: Tensor, length_weight: Tensor) -> CodeHead:

@@ -23,9 +23,17 @@ Two Gram paths, picked by `_pick_gram` (override with the `gram=` argument or th
   into BLOCK_D chunks (each chunk recomputes the Gram tiles, so this path is meant for moderate D).
 - "mm": G = torch.mm(F, F^T) in fp32/TF32 (fp64 for fp64, never bf16), the row statistics are fused Triton kernels
   over G, and the backward writes M = diag(a) - s C s (N x N) and returns torch.mm(M, F): two GEMMs in all.
+
+Kernels: `_info_nce_supcon_sqnorm_kernel` (sq_i, tiled path), `_info_nce_supcon_fwd_kernel` (with `rowsum_normalize`
+a ROWSUM_PASS launch for S first, then the per-row LSE and loss terms), `_info_nce_supcon_fwd_finalize_kernel` (the
+loss), `_info_nce_supcon_bwd_kernel` (with `rowsum_normalize` a SIGMA launch for sigma first, then dF or M). A pointer
+a launch does not use is None. The file reads top to bottom: device helpers, the kernels, then the host side
+(`_forward` and `_backward`, which launch them, the `autograd.Function`s over them) and the checked public losses.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -44,7 +52,16 @@ MM_MAX_ROWS = 4096  # auto: torch.mm Gram when N <= this ...
 MM_MIN_DIM, MM_MAX_ROWS_WIDE = 1024, 16384  # ... or when D >= MM_MIN_DIM and N <= MM_MAX_ROWS_WIDE
 DOT_PRECISION = "tf32"  # tl.dot input precision for fp32 operands on a GPU ("tf32", "tf32x3", "ieee")
 
-__all__ = ["GRAM", "info_nce_loss", "supcon_loss"]
+__all__ = [
+    "DOT_PRECISION",
+    "GRAM",
+    "MM_MAX_ROWS",
+    "MM_MAX_ROWS_WIDE",
+    "MM_MIN_DIM",
+    "info_nce_and_supcon",
+    "info_nce_loss",
+    "supcon_loss",
+]
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
@@ -60,9 +77,45 @@ def _row_scale(sq, NORMALIZE: tl.constexpr):
 
 
 @triton.jit
-def _gram_tile(
+def _gram_tile_dot(
     x_ptr,  # features F [N, D]
-    g_ptr,  # the materialised Gram matrix G = F F^T [N, N], read when FROM_G
+    rows,
+    cols,
+    N,
+    D,
+    stride_xr,
+    stride_xc,
+    ACC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """G[rows, cols] = F[rows] F[cols]^T, a tl.dot over D in BK chunks."""
+    rmask = rows < N
+    cmask = cols < N
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    g = tl.zeros([BM, BN], dtype=ACC)
+    ks = tl.arange(0, BK)
+    for k0 in range(0, D, BK):
+        kk = k0 + ks
+        kmask = kk < D
+        a_ok = rmask[:, None] & kmask[None, :]
+        b_ok = kmask[:, None] & cmask[None, :]
+        a = tl.load(x_ptr + r64[:, None] * stride_xr + kk[None, :] * stride_xc, mask=a_ok, other=0.0)
+        b = tl.load(x_ptr + c64[None, :] * stride_xr + kk[:, None] * stride_xc, mask=b_ok, other=0.0)
+        if x_ptr.dtype.element_ty == tl.float32:
+            g = tl.dot(a, b, g, input_precision=PREC, out_dtype=ACC)
+        else:  # fp16/bf16 products are exact in the fp32 accumulator; fp64 is always IEEE
+            g = tl.dot(a, b, g, out_dtype=ACC)
+    return g
+
+
+@triton.jit
+def _gram_tile(
+    x_ptr,  # features F [N, D], read unless FROM_G
+    g_ptr,  # the materialised Gram matrix G = F F^T [N, N] when FROM_G, else None
     rows,
     cols,
     N,
@@ -77,33 +130,19 @@ def _gram_tile(
     PREC: tl.constexpr,
 ):
     """G[rows, cols]: loaded from the materialised Gram, or a tl.dot over D in BK chunks."""
-    rmask = rows < N
-    cmask = cols < N
-    r64 = rows.to(tl.int64)
-    c64 = cols.to(tl.int64)
     if FROM_G:
-        g = tl.load(g_ptr + r64[:, None] * N + c64[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        ok = (rows < N)[:, None] & (cols < N)[None, :]
+        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * N + cols.to(tl.int64)[None, :], mask=ok, other=0.0)
         g = g.to(ACC)
     else:
-        g = tl.zeros([BM, BN], dtype=ACC)
-        ks = tl.arange(0, BK)
-        for k0 in range(0, D, BK):
-            kk = k0 + ks
-            kmask = kk < D
-            a_ok = rmask[:, None] & kmask[None, :]
-            b_ok = kmask[:, None] & cmask[None, :]
-            a = tl.load(x_ptr + r64[:, None] * stride_xr + kk[None, :] * stride_xc, mask=a_ok, other=0.0)
-            b = tl.load(x_ptr + c64[None, :] * stride_xr + kk[:, None] * stride_xc, mask=b_ok, other=0.0)
-            if x_ptr.dtype.element_ty == tl.float32:
-                g = tl.dot(a, b, g, input_precision=PREC, out_dtype=ACC)
-            else:  # fp16/bf16 products are exact in the fp32 accumulator; fp64 is always IEEE
-                g = tl.dot(a, b, g, out_dtype=ACC)
+        g = _gram_tile_dot(x_ptr, rows, cols, N, D, stride_xr, stride_xc, ACC, BM, BN, BK, PREC)
     return g
 
 
 @triton.jit
 def _side(idx, N, sq_ptr, sq_stride, lab_ptr, NORMALIZE: tl.constexpr, SUPCON: tl.constexpr, ACC: tl.constexpr):
-    """Per-index vectors of one tile side: in-bounds mask, sq = G_ii, scale s, label, kept (label >= 0) mask."""
+    """Per-index vectors of one tile side: in-bounds mask, sq = G_ii, scale s, label, kept (label >= 0) mask.
+    InfoNCE has no labels (lab_ptr None): each index is its own label and every row is kept."""
     m = idx < N
     sq = tl.load(sq_ptr + idx.to(tl.int64) * sq_stride, mask=m, other=1.0).to(ACC)
     s = _row_scale(sq, NORMALIZE)
@@ -118,12 +157,12 @@ def _side(idx, N, sq_ptr, sq_stride, lab_ptr, NORMALIZE: tl.constexpr, SUPCON: t
 
 @triton.jit
 def _side_stats(idx, m, lse_ptr, aux_ptr, SUPCON: tl.constexpr):
-    """Saved per-row LSE and (SupCon) 1/|P(i)| of one tile side (the LSE doubles as a dummy for InfoNCE)."""
+    """Saved per-row LSE and (SupCon) 1/|P(i)| of one tile side; InfoNCE has no 1/|P(i)| (aux_ptr None): zeros."""
     lse = tl.load(lse_ptr + idx, mask=m, other=0.0)
     if SUPCON:
         aux = tl.load(aux_ptr + idx, mask=m, other=0.0)
     else:
-        aux = lse
+        aux = tl.zeros_like(lse)
     return lse, aux
 
 
@@ -156,7 +195,7 @@ def _dloss_ddn(
 
 
 @triton.jit
-def _sqnorm_kernel(
+def _info_nce_supcon_sqnorm_kernel(
     # pointers
     x_ptr,  # features F [N, D]
     sq_ptr,  # out: squared row norms sq_i = G_ii [N]
@@ -166,7 +205,7 @@ def _sqnorm_kernel(
     # strides of F (row, column)
     stride_xr,
     stride_xc,
-    # meta-parameters: see _fwd_kernel
+    # meta-parameters: see _info_nce_supcon_fwd_kernel
     ACC: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
@@ -174,23 +213,23 @@ def _sqnorm_kernel(
 ):
     """sq_i = G_ii from the same tl.dot tiles the other kernels use (diagonal block, BN = BM)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    g = _gram_tile(x_ptr, x_ptr, rows, rows, N, D, stride_xr, stride_xc, False, ACC, BM, BM, BK, PREC)
+    g = _gram_tile_dot(x_ptr, rows, rows, N, D, stride_xr, stride_xc, ACC, BM, BM, BK, PREC)
     diag = tl.sum(tl.where(rows[:, None] == rows[None, :], g, 0.0), axis=1)
     tl.store(sq_ptr + rows, diag, mask=rows < N)
 
 
 @triton.jit
-def _fwd_kernel(
+def _info_nce_supcon_fwd_kernel(
     # pointers
     x_ptr,  # features F [N, D]
-    g_ptr,  # Gram matrix G = F F^T [N, N] when FROM_G (else F again, unread)
+    g_ptr,  # Gram matrix G = F F^T [N, N] when FROM_G, else None
     sq_ptr,  # squared row norms G_ii: the diagonal of G (sq_stride N + 1) or a vector (sq_stride 1)
     sq_stride,
-    lab_ptr,  # SupCon labels [N] (-1: row left out); unread for InfoNCE
-    rowsum_ptr,  # row sums S_i = sum_j d_ij [N]: written by the ROWSUM_PASS launch, read by the next one
-    lse_ptr,  # out: per-row log-sum-exp [N], kept for the backward
-    out_ptr,  # out: per-row loss term [N]
-    aux_ptr,  # out (SupCon): 1 / |P(i)|, the inverse positive count, 0 for a row without a positive [N]
+    lab_ptr,  # SupCon labels [N] (-1: row left out); None for InfoNCE
+    rowsum_ptr,  # row sums S_i = sum_j d_ij [N]: written by the ROWSUM_PASS launch, read by the next; None without
+    lse_ptr,  # out: per-row log-sum-exp [N], kept for the backward; None in the ROWSUM_PASS launch
+    out_ptr,  # out: per-row loss term [N]; None in the ROWSUM_PASS launch
+    aux_ptr,  # out (SupCon): 1 / |P(i)|, the inverse positive count, 0 for a row without a positive [N]; else None
     # sizes
     N,  # rows (2B for InfoNCE)
     D,  # feature dimension
@@ -270,15 +309,16 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _finalize_kernel(
-    # pointers: the forward's row terms and 1/|P(i)|; out: the loss and the anchor count
+def _info_nce_supcon_fwd_finalize_kernel(
+    # pointers: the forward's row terms and (SupCon) 1/|P(i)|; out: the loss and (SupCon) the anchor count. The
+    # SupCon-only ones are None for InfoNCE
     out_ptr,
     aux_ptr,
     loss_ptr,
     cnt_ptr,
     # size
     N,
-    # SupCon's temperature / base_temperature, an fp32 hi + lo pair
+    # SupCon's temperature / base_temperature, an fp32 hi + lo pair; None for InfoNCE
     ratio_hi,
     ratio_lo,
     # meta-parameters
@@ -306,45 +346,43 @@ def _finalize_kernel(
 
 
 @triton.jit
-def _bwd_kernel(
-    # pointers (those shared with _fwd_kernel mean the same)
+def _info_nce_supcon_bwd_kernel(
+    # pointers (those shared with _info_nce_supcon_fwd_kernel mean the same)
     x_ptr,
     g_ptr,
     sq_ptr,
     sq_stride,
     lab_ptr,
     rowsum_ptr,
-    sigma_ptr,  # sigma_i = dL/dS_i [N]: written by the SIGMA launch, read by the next one
+    sigma_ptr,  # sigma_i = dL/dS_i [N]: written by the SIGMA launch, read by the next; None without ROWSUM_NORMALIZE
     lse_ptr,
     aux_ptr,
     gout_ptr,  # the upstream gradient of the loss (a scalar on the device)
-    cnt_ptr,  # SupCon: the number of anchors, from _finalize_kernel
-    o_ptr,  # out: dL/dF [N, D], or the matrix M [N, N] with dL/dF = M F when FROM_G
+    cnt_ptr,  # SupCon: the number of anchors, from _info_nce_supcon_fwd_finalize_kernel; None for InfoNCE
+    o_ptr,  # out (contiguous): dL/dF [N, D], or the matrix M [N, N] with dL/dF = M F when FROM_G; None when SIGMA
     # sizes
     N,
     D,
-    # strides of F and of the output (row, column)
+    # strides of F (row, column)
     stride_xr,
     stride_xc,
-    stride_or,
-    stride_oc,
     half,
-    # scalars (as in _fwd_kernel)
+    # scalars (as in _info_nce_supcon_fwd_kernel)
     inv_t_hi,
     inv_t_lo,
     coef_hi,
     coef_lo,
-    # meta-parameters (those shared with _fwd_kernel mean the same)
+    # meta-parameters (those shared with _info_nce_supcon_fwd_kernel mean the same)
     SUPCON: tl.constexpr,
     ROWSUM_NORMALIZE: tl.constexpr,
     NORMALIZE: tl.constexpr,
     FROM_G: tl.constexpr,
-    SIGMA: tl.constexpr,  # this launch only writes sigma
+    SIGMA: tl.constexpr,  # this launch only writes sigma (launched with ROWSUM_NORMALIZE only)
     ACC: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    BD: tl.constexpr,  # feature columns of dL/dF per program (the grid's second axis)
+    BD: tl.constexpr,  # feature columns of dL/dF per program (the grid's second axis); None when SIGMA or FROM_G
     PREC: tl.constexpr,
 ):
     """SIGMA: sigma_i = dL/dS_i (code pass). Else dF[rows, D chunk] (tl.dot path) or the rows of M (G path)."""
@@ -363,11 +401,13 @@ def _bwd_kernel(
         coef = -g_out * smoothing_or_ratio / tl.maximum(tl.load(cnt_ptr), 1.0)
     else:
         coef = g_out / N
-    dcols = tl.program_id(1) * BD + tl.arange(0, BD)
-    dmask = dcols < D
+    if not SIGMA:
+        if not FROM_G:  # this program's chunk of feature columns of dF
+            dcols = tl.program_id(1) * BD + tl.arange(0, BD)
+            dmask = dcols < D
+            acc = tl.zeros([BM, BD], dtype=ACC)
     R = tl.zeros([BM], dtype=ACC)
     Q = tl.zeros([BM], dtype=ACC)
-    acc = tl.zeros([BM, BD], dtype=ACC)
     for n0 in range(0, N, BN):
         cols = n0 + tl.arange(0, BN)
         c64 = cols.to(tl.int64)
@@ -430,7 +470,7 @@ def _bwd_kernel(
                 Q += tl.sum(c * gp, axis=1)
             t = (s_r[:, None] * c) * s_c[None, :]
             if FROM_G:
-                off = r64[:, None] * stride_or + c64[None, :] * stride_oc
+                off = r64[:, None] * N + c64[None, :]
                 tl.store(o_ptr + off, -t, mask=rmask[:, None] & cmask[None, :] & (rows[:, None] != cols[None, :]))
             else:
                 fj = tl.load(
@@ -440,10 +480,7 @@ def _bwd_kernel(
                 )
                 acc = tl.dot(t, fj.to(ACC), acc, input_precision=PREC, out_dtype=ACC)  # out_dtype: fp64 on triton 3.6
     if SIGMA:
-        if ROWSUM_NORMALIZE:
-            sig = -R / ((S_r + _ROW_SUM_EPS) * (S_r + _ROW_SUM_EPS))
-        else:
-            sig = R
+        sig = -R / ((S_r + _ROW_SUM_EPS) * (S_r + _ROW_SUM_EPS))
         tl.store(sigma_ptr + rows, tl.where(keep_r, sig, 0.0), mask=rmask)
     else:
         if NORMALIZE:
@@ -452,7 +489,7 @@ def _bwd_kernel(
         else:
             a = R
         if FROM_G:
-            tl.store(o_ptr + r64 * stride_or + r64 * stride_oc, a, mask=rmask)
+            tl.store(o_ptr + r64 * N + r64, a, mask=rmask)
         else:
             fi = tl.load(
                 x_ptr + r64[:, None] * stride_xr + dcols[None, :] * stride_xc,
@@ -461,7 +498,7 @@ def _bwd_kernel(
             )
             df = a[:, None] * fi.to(ACC) - acc
             tl.store(
-                o_ptr + r64[:, None] * stride_or + dcols[None, :] * stride_oc,
+                o_ptr + r64[:, None] * D + dcols[None, :],
                 df.to(o_ptr.dtype.element_ty),
                 mask=rmask[:, None] & dmask[None, :],
             )
@@ -470,7 +507,6 @@ def _bwd_kernel(
 # ------------------------------------------------------------------------------------------------------------- host
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _config(acc: torch.dtype, d: int) -> dict:
@@ -491,23 +527,151 @@ def _pick_gram(n: int, d: int, gram: str | None) -> str:
     return "mm" if n <= MM_MAX_ROWS or (d >= MM_MIN_DIM and n <= MM_MAX_ROWS_WIDE) else "triton"
 
 
-def _check_features(features: Tensor, name: str) -> None:
-    if not isinstance(features, Tensor):
-        raise TypeError(f"{name}: features must be a torch.Tensor, got {type(features).__name__}")
-    if features.dim() != 2:
-        raise ValueError(f"{name}: features must be 2-D [N, D], got shape {tuple(features.shape)}")
-    if features.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name}: features must be float16, bfloat16, float32 or float64, got {features.dtype}")
-    if features.shape[1] < 1:
-        raise ValueError(f"{name}: features must have at least one column, got shape {tuple(features.shape)}")
-    launch.check_device(features, name)
+class _Spec(NamedTuple):
+    """One loss call's switches and scalars, shared by its forward and backward launches."""
+
+    supcon: bool  # SupCon over labels, else InfoNCE over 2 views
+    inv_t: float  # 1 / temperature
+    coef: float  # InfoNCE: label smoothing; SupCon: temperature / base_temperature
+    rowsum_normalize: bool  # divide d_ij by (S_j + eps): the codes' variant
+    from_g: bool  # Gram tiles read from a materialised G = F F^T, else computed with tl.dot
+
+    def kernel_args(self, acc: torch.dtype) -> dict:
+        """The arguments every forward and backward launch takes alike: the scalars as fp32 hi/lo pairs, the
+        switches and the accumulation dtype."""
+        inv_t_hi, inv_t_lo = launch.fp32_pair(self.inv_t)
+        coef_hi, coef_lo = launch.fp32_pair(self.coef)
+        return dict(
+            inv_t_hi=inv_t_hi,
+            inv_t_lo=inv_t_lo,
+            coef_hi=coef_hi,
+            coef_lo=coef_lo,
+            SUPCON=self.supcon,
+            ROWSUM_NORMALIZE=self.rowsum_normalize,
+            NORMALIZE=not self.supcon,
+            FROM_G=self.from_g,
+            ACC=_TL_DTYPES[acc],
+        )
 
 
-def _check_positive(value, what: str, name: str) -> float:
-    value = float(value)
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name}: {what} must be a positive finite number, got {value}")
-    return value
+def _gram_and_norms(features: Tensor, given_g: Tensor | None, from_g: bool, acc: torch.dtype, cfg: dict):
+    """(G or None, the squared norms or G) of the forward: the Gram path reads sq_i off G's diagonal; the tiled path
+    computes sq_i with the same tl.dot tiles as its Gram tiles."""
+    n, d = features.shape
+    if from_g:
+        g = given_g
+        if g is None:
+            xc = features.to(acc)
+            g = torch.mm(xc, xc.t())
+        return g, g
+    sq = launch.new_buffer((n,), acc, features.device)
+    _info_nce_supcon_sqnorm_kernel[(triton.cdiv(n, cfg["BM"]),)](
+        x_ptr=features,
+        sq_ptr=sq,
+        N=n,
+        D=d,
+        stride_xr=features.stride(0),
+        stride_xc=features.stride(1),
+        ACC=_TL_DTYPES[acc],
+        BM=cfg["BM"],
+        BK=cfg["BK"],
+        PREC=DOT_PRECISION,
+        num_warps=4,
+    )
+    return None, sq
+
+
+def _row_args(features: Tensor, spec: _Spec, acc: torch.dtype, g, sq, labels, rowsums) -> dict:
+    """The arguments the forward and backward row kernels take alike: F, G (None on the tiled path), the squared
+    norms (G itself on the Gram path, read along its diagonal), the labels and row sums (None where the loss has
+    none), the sizes, the scalars and switches, and the tile sizes."""
+    n, d = features.shape
+    cfg = _config(acc, d)
+    return dict(
+        x_ptr=features,
+        g_ptr=g,
+        sq_ptr=sq,
+        sq_stride=n + 1 if spec.from_g else 1,
+        lab_ptr=labels,
+        rowsum_ptr=rowsums,
+        N=n,
+        D=d,
+        stride_xr=features.stride(0),
+        stride_xc=features.stride(1),
+        half=n // 2,
+        **spec.kernel_args(acc),
+        BM=cfg["g_bm"] if spec.from_g else cfg["BM"],
+        BN=cfg["g_bn"] if spec.from_g else cfg["BN"],
+        BK=cfg["BK"],
+        PREC=DOT_PRECISION,
+        num_warps=4 if spec.from_g else cfg["warps"],
+    )
+
+
+def _forward(features: Tensor, labels: Tensor | None, given_g: Tensor | None, spec: _Spec):
+    """The loss and what the backward reads: (loss, G or the squared norms, LSE, 1/|P(i)|, row sums, anchor count),
+    the last three None where the loss has none. Launches: sq_i (tiled path), S_i (codes' variant), the row terms,
+    the loss."""
+    n, d = features.shape
+    dev = features.device
+    acc = launch.compute_dtype(features.dtype)
+    cfg = _config(acc, d)
+    lse = launch.new_buffer((n,), acc, dev)
+    out = launch.new_buffer((n,), acc, dev)
+    aux = launch.new_buffer((n,), acc, dev) if spec.supcon else None
+    rowsums = launch.new_buffer((n,), acc, dev) if spec.rowsum_normalize else None
+    loss = launch.new_buffer((), acc, dev)
+    cnt = launch.new_buffer((), acc, dev) if spec.supcon else None
+    with launch.device_ctx(features):
+        g, sq = _gram_and_norms(features, given_g, spec.from_g, acc, cfg)
+        rows = _row_args(features, spec, acc, g, sq, labels, rowsums)
+        grid = (triton.cdiv(n, rows["BM"]),)
+        if spec.rowsum_normalize:  # first pass: the row sums S_i that the distances are divided by
+            _info_nce_supcon_fwd_kernel[grid](**rows, lse_ptr=None, out_ptr=None, aux_ptr=None, ROWSUM_PASS=True)
+        _info_nce_supcon_fwd_kernel[grid](**rows, lse_ptr=lse, out_ptr=out, aux_ptr=aux, ROWSUM_PASS=False)
+        ratio_hi, ratio_lo = launch.fp32_pair(spec.coef) if spec.supcon else (None, None)
+        _info_nce_supcon_fwd_finalize_kernel[(1,)](
+            out_ptr=out,
+            aux_ptr=aux,
+            loss_ptr=loss,
+            cnt_ptr=cnt,
+            N=n,
+            ratio_hi=ratio_hi,
+            ratio_lo=ratio_lo,
+            SUPCON=spec.supcon,
+            BLOCK=1024,
+            num_warps=4,
+        )
+    return loss, g if spec.from_g else sq, lse, aux, rowsums, cnt
+
+
+def _backward(grad_out: Tensor, spec: _Spec, to_g: bool, features, labels, g_or_sq, lse, aux, rowsums, cnt) -> Tensor:
+    """dL/dF from the forward's saved tensors; with `to_g` (the loss was computed from a given Gram) the matrix M
+    with dL/dF = M F instead. Launches: sigma (codes' variant), then dF (tiled path) or M (Gram path)."""
+    n, d = features.shape
+    dev = features.device
+    acc = lse.dtype
+    g = g_or_sq if spec.from_g else None
+    rows = _row_args(features, spec, acc, g, g_or_sq, labels, rowsums)
+    rows.update(
+        sigma_ptr=launch.new_buffer((n,), acc, dev) if spec.rowsum_normalize else None,
+        lse_ptr=lse,
+        aux_ptr=aux,
+        gout_ptr=grad_out.detach().to(acc).reshape(()),
+        cnt_ptr=cnt,
+    )
+    row_blocks = triton.cdiv(n, rows["BM"])
+    with launch.device_ctx(features):
+        if spec.rowsum_normalize:  # first pass: sigma_i = dL/dS_i, which every gradient entry needs
+            _info_nce_supcon_bwd_kernel[(row_blocks,)](**rows, o_ptr=None, SIGMA=True, BD=None)
+        if spec.from_g:
+            m = launch.new_buffer((n, n), acc, dev)
+            _info_nce_supcon_bwd_kernel[(row_blocks,)](**rows, o_ptr=m, SIGMA=False, BD=None)
+            return m if to_g else torch.mm(m, features.to(acc)).to(features.dtype)
+        grad = launch.new_buffer((n, d), features.dtype, dev)
+        bd = _config(acc, d)["BD"]
+        _info_nce_supcon_bwd_kernel[(row_blocks, triton.cdiv(d, bd))](**rows, o_ptr=grad, SIGMA=False, BD=bd)
+    return grad
 
 
 class _Gram(torch.autograd.Function):
@@ -526,131 +690,43 @@ class _Gram(torch.autograd.Function):
         return torch.mm(grad_g + grad_g.t(), features.to(grad_g.dtype)).to(features.dtype), None
 
 
-def _gram_and_norms(features: Tensor, given_g: Tensor | None, from_g: bool, acc: torch.dtype, cfg: dict):
-    """(G or None, squared norms, their stride, BM, BN) of the forward: the Gram path reads sq_i off G's diagonal
-    (stride N + 1); the tiled path computes sq_i with the same tl.dot tiles as its Gram tiles."""
-    n, d = features.shape
-    if from_g:
-        g = given_g
-        if g is None:
-            xc = features.to(acc)
-            g = torch.mm(xc, xc.t())
-        return g, g, n + 1, cfg["g_bm"], cfg["g_bn"]
-    sq = launch.new_buffer((n,), acc, features.device)
-    _sqnorm_kernel[(triton.cdiv(n, cfg["BM"]),)](
-        features,
-        sq,
-        n,
-        d,
-        features.stride(0),
-        features.stride(1),
-        ACC=_TL_DTYPES[acc],
-        BM=cfg["BM"],
-        BK=cfg["BK"],
-        PREC=DOT_PRECISION,
-        num_warps=4,
-    )
-    return None, sq, 1, cfg["BM"], cfg["BN"]
-
-
 class _Contrastive(torch.autograd.Function):
     """One loss over `features`; with `given_g` (a `_Gram` of them) the loss is computed from it and its gradient
     goes to `given_g` (M / 2: the backward's M is symmetric and d(F F^T) gives (dG + dG^T) F = M F)."""
 
     @staticmethod
     def forward(ctx, features, labels, supcon, inv_t, smoothing_or_ratio, rowsum_normalize, gram, given_g=None):
-        n, d = features.shape
-        dev = features.device
-        acc = launch.compute_dtype(features.dtype)
-        cfg = _config(acc, d)
-        normalize = not supcon
-        scalars = (*launch.fp32_pair(inv_t), *launch.fp32_pair(smoothing_or_ratio))
-        lse = launch.new_buffer((n,), acc, dev)
-        out = launch.new_buffer((n,), acc, dev)
-        aux = launch.new_buffer((n,), acc, dev) if supcon else lse
-        rowsums = launch.new_buffer((n,), acc, dev) if rowsum_normalize else lse
-        loss = launch.new_buffer((), acc, dev)
-        cnt = launch.new_buffer((), acc, dev) if supcon else loss
-        lab = labels if supcon else lse
         from_g = gram == "mm" or given_g is not None
-        with launch.device_ctx(features):
-            g, sq, sq_stride, bm, bn = _gram_and_norms(features, given_g, from_g, acc, cfg)
-            args = (features, g if from_g else features, sq, sq_stride, lab, rowsums, lse, out, aux, n, d)
-            args += (features.stride(0), features.stride(1), n // 2, *scalars)
-            for rowsum_pass in (True, False) if rowsum_normalize else (False,):
-                _fwd_kernel[(triton.cdiv(n, bm),)](
-                    *args,
-                    SUPCON=supcon,
-                    ROWSUM_NORMALIZE=rowsum_normalize,
-                    NORMALIZE=normalize,
-                    FROM_G=from_g,
-                    ROWSUM_PASS=rowsum_pass,
-                    ACC=_TL_DTYPES[acc],
-                    BM=bm,
-                    BN=bn,
-                    BK=cfg["BK"],
-                    PREC=DOT_PRECISION,
-                    num_warps=cfg["warps"] if not from_g else 4,
-                )
-            _finalize_kernel[(1,)](out, aux, loss, cnt, n, *scalars[2:], SUPCON=supcon, BLOCK=1024, num_warps=4)
-        ctx.save_for_backward(features, lab, g if from_g else sq, lse, aux, rowsums, cnt)
-        ctx.flags = (supcon, rowsum_normalize, from_g, given_g is not None)
-        ctx.scalars = scalars
+        spec = _Spec(supcon, inv_t, smoothing_or_ratio, rowsum_normalize, from_g)
+        loss, *saved = _forward(features, labels, given_g, spec)
+        ctx.save_for_backward(features, labels, *saved)
+        ctx.spec, ctx.to_g = spec, given_g is not None
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        features, lab, g_or_sq, lse, aux, rowsums, cnt = ctx.saved_tensors
-        supcon, rowsum_normalize, from_g, to_g = ctx.flags
-        n, d = features.shape
-        dev = features.device
-        acc = lse.dtype
-        cfg = _config(acc, d)
-        gout = grad_out.detach().to(acc).reshape(())
-        if from_g:
-            sq, sq_stride, bm, bn = g_or_sq, n + 1, cfg["g_bm"], cfg["g_bn"]
-        else:
-            sq, sq_stride, bm, bn = g_or_sq, 1, cfg["BM"], cfg["BN"]
-        sigma = launch.new_buffer((n,), acc, dev) if rowsum_normalize else lse
-        consts = dict(
-            SUPCON=supcon,
-            ROWSUM_NORMALIZE=rowsum_normalize,
-            NORMALIZE=not supcon,
-            FROM_G=from_g,
-            ACC=_TL_DTYPES[acc],
-            BM=bm,
-            BN=bn,
-            BK=cfg["BK"],
-            PREC=DOT_PRECISION,
-        )
-        head = (features, g_or_sq, sq, sq_stride, lab, rowsums, sigma, lse, aux, gout, cnt)
-        xs = (features.stride(0), features.stride(1))
-        warps = 4 if from_g else cfg["warps"]
-        with launch.device_ctx(features):
-            if rowsum_normalize:
-                _bwd_kernel[(triton.cdiv(n, bm), 1)](
-                    *head, sigma, n, d, *xs, 0, 0, n // 2, *ctx.scalars, SIGMA=True, BD=16, num_warps=warps, **consts
-                )
-            if from_g:
-                m = launch.new_buffer((n, n), acc, dev)
-                _bwd_kernel[(triton.cdiv(n, bm), 1)](
-                    *head, m, n, d, *xs, n, 1, n // 2, *ctx.scalars, SIGMA=False, BD=16, num_warps=warps, **consts
-                )
-                if to_g:
-                    grad = None
-                else:
-                    grad = torch.mm(m, features.to(acc)).to(features.dtype)
-            else:
-                grad = launch.new_buffer((n, d), features.dtype, dev)
-                bd = cfg["BD"]
-                _bwd_kernel[(triton.cdiv(n, bm), triton.cdiv(d, bd))](
-                    *head, grad, n, d, *xs, *grad.stride(), n // 2, *ctx.scalars, SIGMA=False, BD=bd, num_warps=warps,
-                    **consts,
-                )
-        if to_g:
-            return None, None, None, None, None, None, None, m * 0.5
+        grad = _backward(grad_out, ctx.spec, ctx.to_g, *ctx.saved_tensors)
+        if ctx.to_g:
+            return None, None, None, None, None, None, None, grad * 0.5
         return grad, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------- public
+
+
+def _check_features(features: Tensor, name: str) -> None:
+    launch.check_float_matrix(features, name, "features", "[N, D]")
+    if features.shape[1] < 1:
+        raise ValueError(f"{name}: features must have at least one column, got shape {tuple(features.shape)}")
+    launch.check_device(features, name)
+
+
+def _check_positive(value, what: str, name: str) -> float:
+    value = float(value)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}: {what} must be a positive finite number, got {value}")
+    return value
 
 
 def _info_nce_args(features: Tensor, temperature, label_smoothing, name: str) -> tuple[float, float]:

@@ -1,4 +1,5 @@
-"""Host-side helpers shared by the two Triton modules: where the kernels may run, their compute dtype, their buffers."""
+"""Host-side helpers shared by the two Triton modules: their input checks, where the kernels may run, their compute
+dtype, their buffers and scalar arguments."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the kernels read
 
 
 def interpreting() -> bool:
@@ -22,6 +25,17 @@ def check_device(tensor: Tensor, op: str) -> None:
             f"{op}: the Triton kernels need CUDA tensors (got a tensor on {tensor.device}): use backend='torch' on "
             "the CPU, or set TRITON_INTERPRET=1 before triton is imported to run them in Triton's interpreter"
         )
+
+
+def check_float_matrix(tensor, op: str, name: str, shape: str) -> None:
+    """`tensor` is a 2-D torch tensor of one of `FLOAT_DTYPES`, else a one-line error naming `op`, the argument `name`
+    and its expected `shape` (e.g. "[N, D]")."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 2:
+        raise ValueError(f"{op}: {name} must be 2-D {shape}, got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, got dtype {tensor.dtype}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -9,12 +9,16 @@ and checked after each test (autouse fixture), so an element a kernel fails to w
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import re
 
 import pytest
 import torch
 
 import infosieve_kernels as kernels
+from infosieve_kernels import code_head_triton as CH
 from infosieve_kernels import contrastive_triton as C
 from infosieve_kernels import launch
 from infosieve_kernels import reference as ref
@@ -382,3 +386,26 @@ def test_errors(device):
     else:
         with pytest.raises(ValueError, match="labels are on"):
             C.supcon_loss(x, y.to("meta"))
+
+
+@pytest.mark.parametrize(
+    ("module", "ops"),
+    [(C, {"info_nce_loss", "supcon_loss", "info_nce_and_supcon"}), (CH, {"code_head"})],
+    ids=["contrastive", "code_head"],
+)
+def test_all_lists_every_public_name_and_every_op_the_dispatch_fetches(module, ops):
+    """`__all__` of each kernel module holds every public name it defines and every op `dispatch.py` fetches from it
+    by name (`_impl("<module>", "<op>", ...)`), and nothing it lacks."""
+    group = module.__name__.rsplit(".", 1)[1].removesuffix("_triton")
+    fetched = set(re.findall(rf'_impl\("{group}", "(\w+)"', inspect.getsource(kernels.dispatch)))
+    assert fetched == ops  # the reader found every op
+    defined = set()
+    for node in ast.parse(inspect.getsource(module)).body:  # what the module defines, not what it imports
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    defined = {name for name in defined if not name.startswith("_")}
+    assert fetched | defined <= set(module.__all__)
+    assert all(hasattr(module, name) for name in module.__all__)
