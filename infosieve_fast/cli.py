@@ -15,7 +15,7 @@ from .common.shown_text import terminal_safe
 from .config import settings as config_mod
 from .data.writing import shards
 from .training.loss_monitor import NonFiniteLoss
-from .training.preemption import PREEMPTED_EXIT, Preempted
+from .training.preemption import PREEMPTED_EXIT, Preempted, StopSignals
 from .training.run_source import SOURCE_FLAG, refuse_fetches, typed_source
 
 AUTO = "auto"  # `--resume auto`: what a relaunched command line (torchrun --max-restarts, a requeued job) passes
@@ -255,7 +255,14 @@ def _estimate_k(args: argparse.Namespace) -> int:
 
 
 def _make_shards(args: argparse.Namespace) -> int:
-    return shards.run_cli(args)
+    """make-shards, ended by SIGTERM or SIGUSR1 with one line: its encoders end with it (left alone, each would print
+    a broken pipe's traceback), and the next run goes on after the last finished shard."""
+    try:
+        with StopSignals():
+            return shards.run_cli(args)
+    except Preempted as stopped:
+        print(f"make-shards: {stopped}; the finished shards are kept: run the same command to go on", file=sys.stderr)
+        return PREEMPTED_EXIT
 
 
 def _sweep(args: argparse.Namespace) -> int:

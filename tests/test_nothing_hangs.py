@@ -208,3 +208,33 @@ def test_make_shards_skips_a_fifo_among_the_images_and_names_it(tmp_path):
     assert "x.jpg is a FIFO, not a regular file" in done.stderr
     manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
     assert [Path(s["source"]).name for s in manifest["skipped"]] == ["x.jpg"]
+
+
+SLOW_ENCODE = """
+import pathlib, sys, time
+from infosieve_fast.data.writing import encode, shard_writer
+def slow(job):
+    pathlib.Path(sys.argv[1], str(job[0])).touch()
+    time.sleep(0.5)
+    return encode.encode_job(job)
+shard_writer.encode_job = slow
+from infosieve_fast import cli
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_sigterm_to_make_shards_ends_it_and_its_encoders_in_one_line(tmp_path):
+    root = tmp_path / "images"
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        for i in range(20):
+            Image.new("RGB", (16, 16), (10 * i, 0, 0)).save(root / cls / f"{i}.jpg")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    command = [sys.executable, "-c", SLOW_ENCODE, str(marks), "make-shards", "--dataset", "imagefolder", "--root",
+               str(root), "--out", str(tmp_path / "shards"), "--workers", "2", "--resize", "16"]  # fmt: skip
+    done, pid = stop_when(command, lambda: len(list(marks.iterdir())) >= 2)
+    assert done.returncode == PREEMPTED_EXIT, done.stderr[-3000:]
+    assert "make-shards: SIGTERM: stopped at once; the finished shards are kept" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]  # each encoder printed a broken pipe's before
+    assert_gone(pid, group=True)

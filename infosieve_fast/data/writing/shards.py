@@ -7,13 +7,13 @@ stored as a JPEG (`--image-format jpg`, the default: quality 95, lossy, small an
 the decode time). Each sample holds `jpg` or `png`, `cls` (target, known classes first), `uq` (the sample's index
 in the dataset's native train order = the reference's `uq_idx`; the test index for test samples) and `lab` (1 when
 its label may be used). Your own images (`--dataset discovery`) have no test split; their unlabelled pool has `cls`
--1 (`metrics.NO_LABEL`: no label at all), and `--holdout SHARE` serves a share of the labelled images with `lab` 0.
+-1 (`NO_LABEL`: no label at all), and `--holdout SHARE` serves a share of the labelled images with `lab` 0.
 Train samples are written in a fixed random order (`RandomState(0)`) so that every shard mixes the classes; test
 samples in native order.
 
 Robustness:
-- every shard is written to a temporary `.NAME.*.tmp`, fsynced and renamed (`checkpoint.atomic_write`); a state file
-  records each finished shard, so a killed run resumes after the last finished shard and produces byte-identical
+- every shard is written to a temporary `.NAME.*.tmp`, fsynced and renamed (`common/files.py`'s `atomic_write`); a
+  state file records each finished shard, so a killed run resumes after the last finished shard and produces byte-identical
   shards (fixed tar metadata);
 - an image that cannot be read or decoded is skipped, reported, and listed in the manifest's `skipped`;
 - re-running on complete output verifies every shard's size and sha256 and does nothing; a damaged or missing shard
