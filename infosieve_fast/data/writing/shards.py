@@ -13,8 +13,8 @@ samples in native order.
 
 Robustness:
 - every shard is written to a temporary `.NAME.*.tmp`, fsynced and renamed (`common/files.py`'s `atomic_write`); a
-  state file records each finished shard, so a killed run resumes after the last finished shard and produces byte-identical
-  shards (fixed tar metadata);
+  state file records each finished shard, so a killed run resumes after the last finished shard and produces
+  byte-identical shards (fixed tar metadata);
 - an image that cannot be read or decoded is skipped, reported, and listed in the manifest's `skipped`;
 - re-running on complete output verifies every shard's size and sha256 and does nothing; a damaged or missing shard
   is rewritten;
