@@ -45,7 +45,7 @@ from benchmarks.harness import Stopwatch, sync, throughput, timed
 from benchmarks.pooled_shards import KIND, write_pooled_shards
 from benchmarks.tools.provenance import device_name, emit_json, stamp
 from infosieve_fast.config.settings import load_config
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.training.engine import Trainer
 from infosieve_fast.training.loss_monitor import LossMonitor
 
@@ -272,7 +272,9 @@ def other_decode_rate(trainer: Trainer, shards: Path, args) -> dict | None:
     if other == "gpu" and trainer.device.type != "cuda":
         return None
     try:
-        src = ShardSource(shards, device=trainer.device, cache="off", decode=other, num_workers=args.workers, seed=1)
+        src = ShardSource(
+            shards, ReadOptions(cache="off", decode=other, num_workers=args.workers, seed=1), device=trainer.device
+        )
         return {"decode": other, **loader_rate(src, args.batch, args.loader_batches)}
     except Exception as err:  # a comparison, not a measurement the projection needs
         return {"decode": other, "error": f"{type(err).__name__}: {err}"}

@@ -44,7 +44,7 @@ from benchmarks.cub_subset import write_cub_subset
 from benchmarks.harness import timed
 from benchmarks.tools.provenance import emit_json, versions
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.writing.layouts import read_dataset
 from infosieve_fast.data.writing.shards import make_shards
 
@@ -161,8 +161,8 @@ def main() -> None:
     with timed() as making:
         make_shards("cubfiles", data, shards, workers=args.workers, progress=False)
     make_s = making.seconds
-    stream_src = ShardSource(shards, cache="off", num_workers=args.workers)
-    memory_src = ShardSource(shards, cache="cpu", num_workers=args.workers)
+    stream_src = ShardSource(shards, ReadOptions(cache="off", num_workers=args.workers))
+    memory_src = ShardSource(shards, ReadOptions(cache="cpu", num_workers=args.workers))
     with timed() as decoding:
         memory_src.load()
     decode_s = decoding.seconds

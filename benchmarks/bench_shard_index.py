@@ -21,7 +21,7 @@ from benchmarks import smoke
 from benchmarks.harness import timed
 from benchmarks.tools.provenance import emit_json
 from infosieve_fast.config.settings import IntakeConfig
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 
 N_CLASSES = 10
 
@@ -56,7 +56,7 @@ def write_shards(folder: Path, samples: int, per_shard: int) -> None:
 
 def _open(folder: Path, cache: Path) -> tuple[float, ShardSource]:
     with timed() as clock:
-        src = ShardSource(folder, num_workers=0, cache="off", intake=IntakeConfig(index_cache=str(cache)))
+        src = ShardSource(folder, ReadOptions(num_workers=0, cache="off", intake=IntakeConfig(index_cache=str(cache))))
     return clock.seconds, src
 
 

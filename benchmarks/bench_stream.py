@@ -92,7 +92,7 @@ def _collect(batches, colours: torch.Tensor) -> dict:
 def _run_epochs(rank: int, cfg: dict, barrier, queue) -> None:
     """Rank `rank`'s own ShardSource (rank r of world w, num_workers DataLoader workers); every epoch = feature pass +
     training batches, sent as ("epoch", rank, epoch, data)."""
-    from infosieve_fast.data.reading.stream import ShardSource
+    from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 
     # a spawned process inherits "spawn" as its default start method, so its DataLoaders would spawn their workers
     # (a fresh interpreter + torch import per worker, every pass); a torchrun-started rank has the platform default,
@@ -102,11 +102,9 @@ def _run_epochs(rank: int, cfg: dict, barrier, queue) -> None:
     colours = torch.from_numpy(palette(cfg["n_classes"], cfg["seed"]))
     src = ShardSource(
         cfg["shards"],
-        memory_threshold_mb=0,
+        ReadOptions(memory_threshold_mb=0, num_workers=cfg["workers"], seed=cfg["seed"]),
         rank=rank,
         world_size=cfg["world"],
-        num_workers=cfg["workers"],
-        seed=cfg["seed"],
     )
     for epoch in range(cfg["epochs"]):
         barrier.wait(timeout=600)

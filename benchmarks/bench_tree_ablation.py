@@ -77,11 +77,11 @@ def cache_views(shards: Path, n_views: int, path: Path) -> dict:
     if path.is_file():
         return torch.load(path)
     from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
-    from infosieve_fast.data.reading.stream import ShardSource
+    from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
     from infosieve_fast.network.model import build_backbone
 
     cfg = load_config(CONFIG)
-    source = ShardSource(shards, split="train", num_workers=0)
+    source = ShardSource(shards, ReadOptions(split="train", num_workers=0))
     backbone = build_backbone(cfg.model).eval()
     d = cfg.data
     augment = DeviceAugment(AugmentConfig(d.crop_size, d.hflip, tuple(d.mean), tuple(d.std), d.color_jitter))

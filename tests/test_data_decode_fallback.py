@@ -18,7 +18,7 @@ from torchvision.io import decode_jpeg
 from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.reading import decode
 from infosieve_fast.data.reading.decode import DecodeCounts, decode_gpu
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.writing.shards import make_shards
 from infosieve_fast.training.engine import Trainer
 from tests.test_engine import SMOKE, _cifar_shards
@@ -95,8 +95,8 @@ def cub_shards(realdata, tmp_path_factory):
 def test_the_stream_falls_back_serves_the_cpu_pixels_and_warns_once(cub_shards, monkeypatch, capfd):
     """The GPU-decoding pipeline run with the CPU as its device and nvJPEG faked broken: every batch decodes on the
     CPU, equal to the worker-decoded stream; one warning names the count and the fix; the counts say where."""
-    workers = ShardSource(cub_shards, cache="off", decode="cpu", num_workers=2)
-    batched = ShardSource(cub_shards, cache="off", decode="cpu", num_workers=2)
+    workers = ShardSource(cub_shards, ReadOptions(cache="off", decode="cpu", num_workers=2))
+    batched = ShardSource(cub_shards, ReadOptions(cache="off", decode="cpu", num_workers=2))
     batched.gpu_decode = True  # the encoded-bytes path, decoded in this process by decode_gpu
     monkeypatch.setattr(decode, "nvjpeg_decode", _no_nvjpeg)
     n = CLASSES * PER_CLASS

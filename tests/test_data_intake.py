@@ -16,7 +16,7 @@ from PIL import Image
 
 from infosieve_fast.config.settings import ConfigError, IntakeConfig, load_config
 from infosieve_fast.data.reading.intake import expand_braces, foreign_keys, index_locations, shard_paths
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.reading.tar import image_hw, index_shard
 from infosieve_fast.data.writing.layouts import read_dataset
 from infosieve_fast.data.writing.shards import make_shards, resize_image
@@ -83,14 +83,11 @@ def test_brace_glob_folder_and_list_name_the_same_shards(both):
 def test_foreign_split_equals_make_shards_split(both):
     """Per image (native index = make-shards' uq = the foreign storage order): the same target and labelled flag."""
     base, raw = both
-    made = ShardSource(base / "made", num_workers=0, memory_threshold_mb=0)
+    made = ShardSource(base / "made", ReadOptions(num_workers=0, memory_threshold_mb=0))
     opts = IntakeConfig(class_list=str(base / "classes.txt"))
     foreign = ShardSource(
         str(base / "foreign" / "train-{000000..000004}.tar"),
-        num_workers=0,
-        memory_threshold_mb=0,
-        intake=opts,
-        resize=SIZE,
+        ReadOptions(num_workers=0, memory_threshold_mb=0, intake=opts, resize=SIZE),
     )
     assert foreign.n_train == made.n_train == CLASSES * PER_CLASS
     assert foreign.class_names == made.class_names and foreign.n_old == made.n_old == CLASSES // 2
@@ -116,8 +113,8 @@ def test_json_label_field_by_class_name_gives_the_same_split(both, tmp_path):
     opts = IntakeConfig(
         image_keys="input.jpg", label_key="json", label_field="label", class_list=str(base / "classes.txt")
     )
-    src = ShardSource(tmp_path / "js", num_workers=0, memory_threshold_mb=0, intake=opts)
-    ref = ShardSource(base / "made", num_workers=0, memory_threshold_mb=0)
+    src = ShardSource(tmp_path / "js", ReadOptions(num_workers=0, memory_threshold_mb=0, intake=opts))
+    ref = ShardSource(base / "made", ReadOptions(num_workers=0, memory_threshold_mb=0))
     assert [a.tolist() for a in _per_uq(src)] == [a.tolist() for a in _per_uq(ref)]
 
 
@@ -126,10 +123,9 @@ def test_full_size_images_are_resized_on_load(both):
     base, raw = both
     src = ShardSource(
         base / "foreign",
-        num_workers=0,
-        memory_threshold_mb=0,
-        resize=SIZE,
-        intake=IntakeConfig(class_list=str(base / "classes.txt")),
+        ReadOptions(
+            num_workers=0, memory_threshold_mb=0, resize=SIZE, intake=IntakeConfig(class_list=str(base / "classes.txt"))
+        ),
     )
     batch = next(src.feature_batches(4))
     sizes = batch.sizes if batch.sizes is not None else torch.tensor([batch.images.shape[2:]] * len(batch.uq))
@@ -149,14 +145,14 @@ def test_index_is_saved_reused_and_rebuilt_when_a_shard_changes(both, tmp_path):
     for p in sorted((base / "foreign").glob("*.tar")):
         (folder / p.name).write_bytes(p.read_bytes())
     opts = IntakeConfig(class_list=str(base / "classes.txt"), index_cache=str(tmp_path / "cache"))
-    first = ShardSource(folder, num_workers=0, memory_threshold_mb=0, intake=opts)
-    again = ShardSource(folder, num_workers=0, memory_threshold_mb=0, intake=opts)
+    first = ShardSource(folder, ReadOptions(num_workers=0, memory_threshold_mb=0, intake=opts))
+    again = ShardSource(folder, ReadOptions(num_workers=0, memory_threshold_mb=0, intake=opts))
     assert not first.reused_index and again.reused_index
     assert all((getattr(first.index, k) == getattr(again.index, k)).all() for k in ("offset", "length", "hw", "cls"))
     assert len(list(folder.glob(".infosieve-index-*.npz"))) == 1
     shard = folder / "train-000001.tar"
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
-    assert not ShardSource(folder, num_workers=0, memory_threshold_mb=0, intake=opts).reused_index
+    assert not ShardSource(folder, ReadOptions(num_workers=0, memory_threshold_mb=0, intake=opts)).reused_index
 
 
 def test_index_goes_to_the_cache_folder_when_the_shards_folder_is_not_writable(both, tmp_path):
@@ -167,8 +163,8 @@ def test_index_goes_to_the_cache_folder_when_the_shards_folder_is_not_writable(b
     beside.unlink(missing_ok=True)
     beside.mkdir()  # the index file cannot be written there (what a read-only folder does)
     try:
-        first = ShardSource(base / "foreign", num_workers=0, memory_threshold_mb=0, intake=opts)
-        again = ShardSource(base / "foreign", num_workers=0, memory_threshold_mb=0, intake=opts)
+        first = ShardSource(base / "foreign", ReadOptions(num_workers=0, memory_threshold_mb=0, intake=opts))
+        again = ShardSource(base / "foreign", ReadOptions(num_workers=0, memory_threshold_mb=0, intake=opts))
     finally:
         beside.rmdir()
     assert cached.is_file() and not first.reused_index and again.reused_index

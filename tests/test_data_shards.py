@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.splits import gcd_split
 from infosieve_fast.data.writing.layouts import read_dataset
 from infosieve_fast.data.writing.shards import (
@@ -141,7 +141,7 @@ def test_round_trip_exact(real_shards, name, reader):
     if reader == "stream":
         raw = read_dataset(dataset, root)
         labelled, targets = gcd_split(raw.train_labels, raw.known, novel_classes=raw.novel)
-        src = ShardSource(out, memory_threshold_mb=0, num_workers=2)
+        src = ShardSource(out, ReadOptions(memory_threshold_mb=0, num_workers=2))
         assert (src.n_train, src.n_old, src.n_classes) == (len(raw.train), 50, 100) and not src.in_memory
         for b in src.feature_batches(256):
             assert b.images.shape[1:] == (3, 256, 256) and b.images.dtype == torch.uint8
@@ -169,7 +169,7 @@ def test_round_trip_jpeg(realdata, tmp_path):
     assert (psnr > 30).all() and (psnr < 99).any(), psnr.min()  # lossy, but close
     raw = read_dataset("imagefolder", tree)
     for threshold in (0, 1e6):  # the stream decodes JPEG shards on both paths
-        src = ShardSource(out, memory_threshold_mb=threshold, num_workers=2)
+        src = ShardSource(out, ReadOptions(memory_threshold_mb=threshold, num_workers=2))
         n = 0
         for b in src.feature_batches(64):
             for img, uq in zip(b.images, b.uq.tolist(), strict=True):
@@ -230,7 +230,7 @@ def test_corrupt_jpeg_skipped_and_reported(realdata, tmp_path, capfd):
     assert manifest["counts"]["train"] == 26 and manifest["counts"]["written_train"] == 24
     # uq values are compacted over the skipped ones so that they run over 0..n_train-1
     for threshold in (0, 1e6):
-        src = ShardSource(tmp_path / "out", memory_threshold_mb=threshold, num_workers=0)
+        src = ShardSource(tmp_path / "out", ReadOptions(memory_threshold_mb=threshold, num_workers=0))
         assert src.n_train == 24
         uq = torch.cat([b.uq for b in src.feature_batches(5)])
         assert sorted(uq.tolist()) == list(range(24))
@@ -248,14 +248,14 @@ def test_truncated_shard_reported_then_repaired(realdata, tmp_path, capfd):
     victim.write_bytes(original[: len(original) // 2])
     capfd.readouterr()
     for threshold in (0, 1e6):  # streaming and in-memory: reported, not fatal
-        src = ShardSource(out, memory_threshold_mb=threshold, num_workers=2)
+        src = ShardSource(out, ReadOptions(memory_threshold_mb=threshold, num_workers=2))
         n = sum(len(b.uq) for b in src.feature_batches(8))
         assert recs[1]["written"] // 2 - 1 <= 40 - n <= recs[1]["written"]
         err = capfd.readouterr().err
         assert "truncated or damaged" in err and recs[1]["name"] in err and "in no readable shard" in err
         lost = src.unreadable()
         assert len(lost) == 40 - n and all(src.describe(u)["shard"] is None for u in lost)
-    src = ShardSource(out, memory_threshold_mb=0, num_workers=2)
+    src = ShardSource(out, ReadOptions(memory_threshold_mb=0, num_workers=2))
     batches = list(src.train_batches(4, epoch=0, seed=0))
     assert len(batches) == n // 4  # N draws from the readable samples only
     assert not set(torch.cat([b.uq for b in batches]).tolist()) & set(lost)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infosieve_fast.data.reading.sampler import reference_labelled_share
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.writing.shards import make_shards
 
 N_PER_CLASS, N_CLASSES = 30, 8  # 240 train images of real CIFAR-10 + a test split of 80
@@ -47,7 +47,7 @@ def _uqs(batches) -> list[int]:
 @pytest.mark.parametrize("threshold", [0, 1e6])  # streaming / in memory
 def test_two_ranks_two_workers_exactly_once(shards, layout, threshold):
     sources = [
-        ShardSource(shards[layout], memory_threshold_mb=threshold, rank=r, world_size=2, num_workers=2)
+        ShardSource(shards[layout], ReadOptions(memory_threshold_mb=threshold, num_workers=2), rank=r, world_size=2)
         for r in range(2)
     ]
     assert all(s.in_memory == (threshold > 0) for s in sources)
@@ -62,7 +62,10 @@ def test_two_ranks_two_workers_exactly_once(shards, layout, threshold):
     # training epoch, no re-weighting: every sample at most once, the same number of full batches on each rank
     train = [
         ShardSource(
-            shards[layout], memory_threshold_mb=threshold, rank=r, world_size=2, num_workers=2, sampling="shuffle"
+            shards[layout],
+            ReadOptions(memory_threshold_mb=threshold, num_workers=2, sampling="shuffle"),
+            rank=r,
+            world_size=2,
         )
         for r in range(2)
     ]
@@ -78,8 +81,8 @@ def test_batches_carry_the_manifest_bookkeeping(shards):
     import json
 
     manifest = json.loads((shards["many"] / "manifest.json").read_text())
-    src = ShardSource(shards["many"], memory_threshold_mb=0, num_workers=2)
-    mem = ShardSource(shards["many"], memory_threshold_mb=1e6, num_workers=2)
+    src = ShardSource(shards["many"], ReadOptions(memory_threshold_mb=0, num_workers=2))
+    mem = ShardSource(shards["many"], ReadOptions(memory_threshold_mb=1e6, num_workers=2))
     assert (src.n_train, src.n_old, src.n_classes) == (N, N_CLASSES // 2, N_CLASSES)
     a = {
         int(u): (int(t), bool(lab), img)
@@ -101,7 +104,7 @@ def test_batches_carry_the_manifest_bookkeeping(shards):
 
 @pytest.mark.parametrize("threshold", [0, 1e6])
 def test_training_stream_is_reproducible_and_varies_by_epoch(shards, threshold):
-    src = ShardSource(shards["many"], memory_threshold_mb=threshold, num_workers=2)
+    src = ShardSource(shards["many"], ReadOptions(memory_threshold_mb=threshold, num_workers=2))
     e0 = _uqs(src.train_batches(16, epoch=0, seed=0))
     assert e0 == _uqs(src.train_batches(16, epoch=0, seed=0))
     assert e0 != _uqs(src.train_batches(16, epoch=1, seed=0))
@@ -111,7 +114,7 @@ def test_training_stream_is_reproducible_and_varies_by_epoch(shards, threshold):
 @pytest.mark.parametrize("threshold", [0, 1e6])
 @pytest.mark.parametrize("share", [None, 0.8])
 def test_labelled_share(shards, threshold, share):
-    src = ShardSource(shards["one"], memory_threshold_mb=threshold, num_workers=2, labelled_share=share)
+    src = ShardSource(shards["one"], ReadOptions(memory_threshold_mb=threshold, num_workers=2, labelled_share=share))
     n_lab = sum(int(b.labelled.sum()) for b in src.feature_batches(64))
     want = reference_labelled_share(n_lab, N - n_lab) if share is None else share
     labs = [b.labelled.float().mean().item() for e in range(4) for b in src.train_batches(16, epoch=e, seed=0)]
@@ -121,7 +124,7 @@ def test_labelled_share(shards, threshold, share):
 
 
 def test_device_in_memory(shards, device):
-    src = ShardSource(shards["one"], memory_threshold_mb=1e6, num_workers=0, device=device)
+    src = ShardSource(shards["one"], ReadOptions(memory_threshold_mb=1e6, num_workers=0), device=device)
     batch = next(iter(src.train_batches(8, epoch=0, seed=0)))
     assert batch.images.device.type == device.type and batch.uq.device.type == device.type
     assert batch.images.shape == (8, 3, 64, 64)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
 from infosieve_fast.data.reading.sampler import reference_labelled_share
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.reading.tar import index_shards
 from infosieve_fast.data.writing.shards import make_shards
 
@@ -74,7 +74,7 @@ def test_whole_stored_images_are_served(shards, cache):
     CenterCrop of it, and every training view is a (possibly flipped) crop of its own image."""
     stored = _stored(shards)
     assert {tuple(s.shape[1:]) for s in stored.values()} == {(32, 53), (72, 32), (32, 32), (42, 32)}
-    src = ShardSource(shards, cache=cache, num_workers=2)
+    src = ShardSource(shards, ReadOptions(cache=cache, num_workers=2))
     aug = DeviceAugment(AugmentConfig(crop_size=CROP, mean=(0.0,) * 3, std=(1.0,) * 3))
     seen = 0
     for batch in src.feature_batches(16):
@@ -98,7 +98,7 @@ def test_whole_stored_images_are_served(shards, cache):
 
 def test_max_aspect_caps_the_longer_side_by_a_centre_crop(shards):
     stored = _stored(shards)
-    src = ShardSource(shards, cache="off", num_workers=0, max_aspect=1.5)
+    src = ShardSource(shards, ReadOptions(cache="off", num_workers=0, max_aspect=1.5))
     for batch in src.feature_batches(64):
         for img, uq in zip(_images(batch), batch.uq.tolist(), strict=True):
             s = stored[uq]
@@ -112,7 +112,9 @@ def test_epoch_is_one_global_draw_split_over_ranks_and_workers(shards):
     streaming and cached paths serve the same samples, and every epoch reshuffles across shards."""
     n = 64
     for cache in ("off", "cpu"):
-        ranks = [ShardSource(shards, cache=cache, rank=r, world_size=2, num_workers=2, seed=3) for r in range(2)]
+        ranks = [
+            ShardSource(shards, ReadOptions(cache=cache, num_workers=2, seed=3), rank=r, world_size=2) for r in range(2)
+        ]
         order = ranks[0].epoch_order(epoch=5, seed=1)
         assert torch.equal(order, ranks[1].epoch_order(epoch=5, seed=1)) and len(order) == n
         per_rank = [[b.uq for b in s.train_batches(4, epoch=5, seed=1)] for s in ranks]
@@ -132,7 +134,7 @@ def test_epoch_is_one_global_draw_split_over_ranks_and_workers(shards):
 def test_draws_follow_the_reference_sampler_weights(shards):
     """The labelled share of many epochs' draws matches the reference's WeightedRandomSampler expectation
     (U+L)/(2U+L), and each sample's draw rate its weight (labelled 1, unlabelled L/(U+L), normalised)."""
-    src = ShardSource(shards, cache="off", num_workers=0)
+    src = ShardSource(shards, ReadOptions(cache="off", num_workers=0))
     lab = torch.from_numpy(src.labelled)
     n_lab, n_unl = int(lab.sum()), int((~lab).sum())
     draws = torch.cat([src.epoch_order(epoch=e, seed=0) for e in range(2000)])
@@ -143,7 +145,7 @@ def test_draws_follow_the_reference_sampler_weights(shards):
     rate = torch.bincount(draws, minlength=64).double() / len(draws)
     expected = weights / weights.sum()
     assert float(((rate - expected) ** 2 / expected).sum() * len(draws)) < 63 + 4 * (2 * 63) ** 0.5  # chi-square
-    shuffled = ShardSource(shards, cache="off", num_workers=0, sampling="shuffle").epoch_order(0, 0)
+    shuffled = ShardSource(shards, ReadOptions(cache="off", num_workers=0, sampling="shuffle")).epoch_order(0, 0)
     assert sorted(shuffled.tolist()) == list(range(64))
 
 
@@ -165,7 +167,7 @@ def test_an_unreadable_image_is_skipped_counted_and_never_drawn(shards, tmp_path
     broken = tmp_path / "broken"
     shutil.copytree(shards, broken)
     uq = _break_one_image(broken)
-    src = ShardSource(broken, cache=cache, num_workers=2)
+    src = ShardSource(broken, ReadOptions(cache=cache, num_workers=2))
     got = torch.cat([b.uq for b in src.feature_batches(16)]).tolist()
     assert sorted(got) == [u for u in range(64) if u != uq]
     assert src.unreadable() == [uq] and f"uq {uq}" in capfd.readouterr().err
@@ -202,10 +204,10 @@ def test_gpu_decode_and_gpu_cache_serve_what_the_cpu_decodes(jpeg_shards):
     def by_uq(src):
         return {u: img for b in src.feature_batches(8) for u, img in zip(b.uq.tolist(), _images(b), strict=True)}
 
-    cpu = by_uq(ShardSource(jpeg_shards, cache="off", decode="cpu", device=dev, num_workers=0))
-    gpu_src = ShardSource(jpeg_shards, cache="off", decode="gpu", device=dev, num_workers=2)
+    cpu = by_uq(ShardSource(jpeg_shards, ReadOptions(cache="off", decode="cpu", num_workers=0), device=dev))
+    gpu_src = ShardSource(jpeg_shards, ReadOptions(cache="off", decode="gpu", num_workers=2), device=dev)
     gpu = by_uq(gpu_src)
-    cached_src = ShardSource(jpeg_shards, cache="gpu", decode="gpu", device=dev, num_workers=2)
+    cached_src = ShardSource(jpeg_shards, ReadOptions(cache="gpu", decode="gpu", num_workers=2), device=dev)
     cached = by_uq(cached_src)
     assert cpu.keys() == gpu.keys() == cached.keys() and len(cpu) == 48
     for u in cpu:
@@ -221,8 +223,8 @@ def test_gpu_decode_and_gpu_cache_serve_what_the_cpu_decodes(jpeg_shards):
 def test_the_encoded_bytes_path_serves_what_the_worker_decode_path_serves(jpeg_shards):
     """The GPU-decoding pipeline (workers ship encoded bytes, the main process decodes the whole batch with
     `decode_gpu`) run with the CPU as its device: the same images, sizes and order as decoding in the workers."""
-    worker = ShardSource(jpeg_shards, cache="off", decode="cpu", num_workers=2)
-    batched = ShardSource(jpeg_shards, cache="off", decode="cpu", num_workers=2)
+    worker = ShardSource(jpeg_shards, ReadOptions(cache="off", decode="cpu", num_workers=2))
+    batched = ShardSource(jpeg_shards, ReadOptions(cache="off", decode="cpu", num_workers=2))
     batched.gpu_decode = True  # decode_gpu(..., device=cpu): the same code path, on the CPU
     for a, b in zip(worker.train_batches(8, 0, 0), batched.train_batches(8, 0, 0), strict=True):
         assert torch.equal(a.uq, b.uq) and torch.equal(a.images, b.images)
@@ -238,7 +240,7 @@ def _cache_worker(rank: int, port: int, shards: str, out: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
     try:
-        src = ShardSource(shards, cache="cpu", num_workers=0)
+        src = ShardSource(shards, ReadOptions(cache="cpu", num_workers=0))
         read, original = [], src._read
         src._read = lambda batches, device=None: (
             read.extend(int(r) for b in batches for r in b),
@@ -264,7 +266,7 @@ def test_each_rank_decodes_only_its_share_of_the_cache(shards, tmp_path):
     uq = _break_one_image(broken)
     mp.spawn(_cache_worker, args=(_free_port(), str(broken), str(tmp_path)), nprocs=2, join=True)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    single = ShardSource(broken, cache="cpu", num_workers=0)
+    single = ShardSource(broken, ReadOptions(cache="cpu", num_workers=0))
     single.load()
     assert sorted(res[0]["read"] + res[1]["read"]) == list(range(64)) and len(res[0]["read"]) == 32
     assert torch.equal(res[0]["flat"], single._cache.flat) and torch.equal(res[1]["flat"], single._cache.flat)

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from infosieve_fast.data.reading import stream, workers
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.reading.workers import worker_start_method
 from infosieve_fast.data.writing.shards import make_shards
 
@@ -52,7 +52,7 @@ def test_forkserver_workers_serve_the_same_batches(shards, monkeypatch):
     forked workers do, in the same order (training draws and the feature pass)."""
 
     def passes() -> list[torch.Tensor]:
-        src = ShardSource(shards, cache="off", decode="cpu", num_workers=2, sampling="shuffle")
+        src = ShardSource(shards, ReadOptions(cache="off", decode="cpu", num_workers=2, sampling="shuffle"))
         out = [t for b in src.feature_batches(5) for t in (b.uq, b.images)]
         return out + [t for b in src.train_batches(4, epoch=1, seed=0) for t in (b.uq, b.images)]
 

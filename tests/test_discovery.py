@@ -19,7 +19,7 @@ from infosieve_fast import cli
 from infosieve_fast.common.labels import NO_LABEL
 from infosieve_fast.config.settings import ConfigError, load_config
 from infosieve_fast.data import held_out_labelled
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.splits import discovery_split, holdout_mask
 from infosieve_fast.data.writing.layouts import LayoutError, read_dataset
 from infosieve_fast.data.writing.shards import make_shards
@@ -144,8 +144,10 @@ def test_own_images_end_to_end_beats_kmeans_on_the_backbone(birds, realdata, tmp
     ours = evaluate_split(y, [records[p]["cluster"] for p in paths], y < KNOWN)
     kmeans = {kk: _kmeans_on_backbone_features(realdata, root, feature_row, kk) for kk in (CLASSES, k)}
     theirs = {kk: evaluate_split(y, [clusters[p] for p in paths], y < KNOWN) for kk, clusters in kmeans.items()}
-    print(f"\ndiscovery on {len(y)} pool images, K estimated {k} (true {CLASSES}), {seconds:.1f} s: run {ours}, "
-          f"k-means on the backbone's features (by K) {theirs}")
+    print(
+        f"\ndiscovery on {len(y)} pool images, K estimated {k} (true {CLASSES}), {seconds:.1f} s: run {ours}, "
+        f"k-means on the backbone's features (by K) {theirs}"
+    )
     assert abs(k - CLASSES) <= 2, k
     assert ours["all"] >= theirs[k]["all"], (ours, theirs)
     assert all(ours["old"] >= t["old"] + 0.05 for t in theirs.values()), (ours, theirs)
@@ -179,7 +181,7 @@ def test_held_out_images_are_the_seeded_share_and_unlabelled_for_training(birds,
     root, truth, _ = birds
     make_shards("discovery", root, tmp_path / "shards", resize=64, holdout=HOLDOUT, holdout_seed=3, workers=1,
                 progress=False)  # fmt: skip
-    source = ShardSource(tmp_path / "shards", num_workers=0)
+    source = ShardSource(tmp_path / "shards", ReadOptions(num_workers=0))
     raw = read_dataset("discovery", root)
     uq = held_out_labelled(source)
     held = holdout_mask(raw.train_labels, HOLDOUT, 3)

@@ -9,7 +9,7 @@ from infosieve_fast import cli
 from infosieve_fast.commands.predict import model_from_run
 from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.reading.augment import AugmentConfig, DeviceAugment
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.writing.shards import make_shards
 from infosieve_fast.evaluation.metrics import evaluate_split
 from infosieve_fast.training.run_folder import train
@@ -59,7 +59,7 @@ def test_eval_on_the_test_split_is_the_nearest_final_centre(shard_run, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("last (test)"))
     printed = [float(v) for v in line.split()[-3:]]
     model, state = model_from_run(base / "run", torch.device("cpu"))
-    test = ShardSource(base / "shards", split="test", num_workers=0)
+    test = ShardSource(base / "shards", ReadOptions(split="test", num_workers=0))
     aug = DeviceAugment(AugmentConfig(cfg.data.crop_size, False, tuple(cfg.data.mean), tuple(cfg.data.std)))
     ys, ps = [], []
     with torch.no_grad():

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from infosieve_fast.config.settings import Config, ConfigError, load_config
-from infosieve_fast.data.reading.stream import ShardSource, decode_image
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource, decode_image
 from infosieve_fast.data.reading.tar import image_hw
 from infosieve_fast.data.shard_format import resized_size
 from infosieve_fast.data.shard_manifest import ManifestError
@@ -262,7 +262,7 @@ def test_a_damaged_manifest_reads_or_ends_in_one_named_error(shards_folder, tmp_
     assume(how != "field" or not _lists_no_train_shard(manifest))
     with no_hang(60):
         try:
-            source = ShardSource(folder, num_workers=0, cache="off", intake=_intake(folder))
+            source = ShardSource(folder, ReadOptions(num_workers=0, cache="off", intake=_intake(folder)))
         except (ManifestError, FileNotFoundError) as err:
             assert "\n" not in str(err) and str(folder) in str(err)
             event(f"refused: {type(err).__name__}")

@@ -19,7 +19,7 @@ from PIL import Image
 from infosieve_fast.config.settings import IntakeConfig
 from infosieve_fast.data.reading import intake
 from infosieve_fast.data.reading.intake import ForeignKeys, cached_index
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.reading.tar import PNG_MAGIC, image_members, index_rows, index_shard, tar_samples
 
 from .fuzz_profiles import no_hang, scaled
@@ -36,7 +36,9 @@ def png_header(h: int, w: int) -> bytes:
 # a sample: (key, image bytes or None for a PNG header of (h, w), its size, label text, whether the label is written)
 names = st.one_of(
     st.text(st.characters(blacklist_characters="./\0", blacklist_categories=("Cs",)), min_size=1, max_size=120),
-    st.binary(min_size=1, max_size=30).filter(lambda b: not set(b) & set(b"./\0")).map(
+    st.binary(min_size=1, max_size=30)
+    .filter(lambda b: not set(b) & set(b"./\0"))
+    .map(
         lambda b: b.decode("utf-8", "surrogateescape")  # names that are not UTF-8
     ),
 )
@@ -275,7 +277,7 @@ def test_the_reader_skips_and_counts_an_image_that_does_not_decode_and_reads_the
     write_tar(folder / "a.tar", samples[::2], tarfile.GNU_FORMAT)
     write_tar(folder / "b.tar", samples[1::2], tarfile.GNU_FORMAT)
     intake_opts = IntakeConfig(image_keys="png", index_cache=str(folder / "index"))
-    source = ShardSource(folder, num_workers=0, cache="off", intake=intake_opts, resize=8)
+    source = ShardSource(folder, ReadOptions(num_workers=0, cache="off", intake=intake_opts, resize=8))
     with no_hang(60):
         read = [u for b in source.feature_batches(3) for u in b.uq.tolist()]
     order = [*range(0, len(rows), 2), *range(1, len(rows), 2)]  # storage order: shard a, then shard b

@@ -196,7 +196,7 @@ def test_a_real_format_cifar_batch_still_loads(tmp_path, protocol):
 
 
 def test_a_make_shards_label_outside_the_manifest_classes_is_refused_naming_the_shard(tmp_path):
-    from infosieve_fast.data.reading.stream import ShardSource
+    from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
     from infosieve_fast.data.shard_manifest import ManifestError
     from infosieve_fast.data.writing.shards import make_shards
 
@@ -213,7 +213,10 @@ def test_a_make_shards_label_outside_the_manifest_classes_is_refused_naming_the_
     data[cls.offset_data] = ord("7")  # the same length: the shard's recorded size still matches
     shard.write_bytes(bytes(data))
     with pytest.raises(ManifestError) as err:
-        ShardSource(tmp_path / "out", num_workers=0, cache="off", intake=IntakeConfig(index_cache=str(tmp_path / "i")))
+        ShardSource(
+            tmp_path / "out",
+            ReadOptions(num_workers=0, cache="off", intake=IntakeConfig(index_cache=str(tmp_path / "i"))),
+        )
     assert str(err.value).startswith(
         f"{shard}: sample uq "
     ) and "has the .cls label 7, outside the manifest's 2" in str(err.value)

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from infosieve_fast import cli
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 from infosieve_fast.data.shard_manifest import ManifestError
 
 CLASSES, TRAIN_PER_CLASS, TEST_PER_CLASS, SIZE = 4, 4, 1, 32
@@ -41,7 +41,7 @@ def made(tmp_path_factory) -> Path:
 
 
 def _open(spec) -> ShardSource:
-    return ShardSource(spec, num_workers=0, memory_threshold_mb=0)
+    return ShardSource(spec, ReadOptions(num_workers=0, memory_threshold_mb=0))
 
 
 def _copy_without_manifest(made: Path, to: Path) -> Path:

@@ -16,7 +16,7 @@ from PIL import Image
 
 from infosieve_fast import cli
 from infosieve_fast.config.settings import IntakeConfig
-from infosieve_fast.data.reading.stream import ShardSource
+from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
 
 CLASSES, PER_CLASS = 4, 3
 
@@ -129,6 +129,6 @@ def test_known_class_without_images_names_the_intake_setting(raw, tmp_path):
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     with pytest.raises(ValueError) as caught:
-        ShardSource(folder, num_workers=0, memory_threshold_mb=0, intake=IntakeConfig(known_classes=[99]))
+        ShardSource(folder, ReadOptions(num_workers=0, memory_threshold_mb=0, intake=IntakeConfig(known_classes=[99])))
     assert "known classes [99] have no images in the train set" in str(caught.value)
     assert SETTINGS in str(caught.value)

@@ -30,24 +30,9 @@ def build_source(data: DataConfig, train: TrainConfig, device: torch.device | No
         )
     if train.train_subset is not None:
         raise ValueError("train.train_subset applies to in-memory sources only; make smaller shards instead")
-    from .reading.stream import ShardSource
+    from .reading.stream import ReadOptions, ShardSource
 
-    return ShardSource(
-        data.shards,
-        split="train",
-        labelled_share=data.labelled_share,
-        memory_threshold_mb=data.memory_threshold_mb,
-        num_workers=data.num_workers,
-        seed=train.seed,
-        device=device,
-        sampling=data.sampling,
-        cache=data.cache,
-        gpu_cache_share=data.gpu_cache_share,
-        decode=data.decode,
-        max_aspect=data.max_aspect,
-        resize=data.resize,
-        intake=data.intake,
-    )
+    return ShardSource(data.shards, ReadOptions.of_config(data, train.seed), device=device)
 
 
 def held_out_labelled(source: GCDSource) -> np.ndarray:

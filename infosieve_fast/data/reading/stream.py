@@ -38,8 +38,10 @@ ones before it) so that they run over 0..n_train-1.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -158,13 +160,52 @@ class _Reader(Dataset):
         return canvas, (None if (hw == hw[0]).all() else sizes), *meta, failed_t
 
 
-def _check_options(max_aspect: float | None, **modes: str) -> None:
-    """Refuse a `ShardSource` option outside its choices (`modes`: name -> value, in the order they are checked)."""
-    for name, value in modes.items():
-        if value not in _CHOICES[name]:
-            raise ValueError(f"{name} must be one of {_CHOICES[name]}, got {value!r}")
-    if max_aspect is not None and max_aspect < 1:
-        raise ValueError(f"max_aspect must be >= 1 (or None: no cap), got {max_aspect}")
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a `ShardSource` reads its shards: the split; the labelled share of each batch (`sampler.sample_epoch`; None:
+    as the data falls); the decoded cache (`cache`, `memory_threshold_mb`, `gpu_cache_share`: `cache.cache_device`);
+    the DataLoader workers; the seed of the epoch orders; where images are decoded (`decode`); the aspect cap and the
+    served size (`max_aspect`, `resize`: None serves the stored size); whether shards are hashed against the manifest
+    (`verify`); how foreign shards are read (`intake`)."""
+
+    split: str = "train"
+    labelled_share: float | None = None
+    memory_threshold_mb: float = DataConfig.memory_threshold_mb
+    num_workers: int = 2
+    seed: int = 0
+    sampling: str = "weighted"
+    cache: str = "auto"
+    gpu_cache_share: float = 0.5
+    decode: str = "auto"
+    max_aspect: float | None = None
+    verify: bool = False
+    resize: int | None = None
+    intake: IntakeConfig = field(default_factory=IntakeConfig)
+
+    def __post_init__(self):
+        for name, value in (("split", self.split), ("sampling", self.sampling), ("cache", self.cache),
+                            ("decode", self.decode)):  # fmt: skip
+            if value not in _CHOICES[name]:
+                raise ValueError(f"{name} must be one of {_CHOICES[name]}, got {value!r}")
+        if self.max_aspect is not None and self.max_aspect < 1:
+            raise ValueError(f"max_aspect must be >= 1 (or None: no cap), got {self.max_aspect}")
+
+    @classmethod
+    def of_config(cls, data: DataConfig, seed: int) -> ReadOptions:
+        """The train split read as `data` says, its epoch orders drawn from the run's `seed`."""
+        return cls(
+            labelled_share=data.labelled_share,
+            memory_threshold_mb=data.memory_threshold_mb,
+            num_workers=data.num_workers,
+            seed=seed,
+            sampling=data.sampling,
+            cache=data.cache,
+            gpu_cache_share=data.gpu_cache_share,
+            decode=data.decode,
+            max_aspect=data.max_aspect,
+            resize=data.resize,
+            intake=data.intake,
+        )
 
 
 class ShardSource:
@@ -176,55 +217,43 @@ class ShardSource:
     def __init__(
         self,
         shards_dir: str | Path | list,
+        options: ReadOptions = ReadOptions(),
         *,
-        split: str = "train",
-        labelled_share: float | None = None,
-        memory_threshold_mb: float = DataConfig.memory_threshold_mb,
+        device: torch.device | str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        num_workers: int = 2,
-        seed: int = 0,
-        device: torch.device | str | None = None,
-        sampling: str = "weighted",
-        cache: str = "auto",
-        gpu_cache_share: float = 0.5,
-        decode: str = "auto",
-        max_aspect: float | None = None,
-        verify: bool = False,
-        resize: int | None = None,
-        intake: IntakeConfig | None = None,
     ):
-        _check_options(max_aspect, split=split, sampling=sampling, cache=cache, decode=decode)
         if rank is None or world_size is None:
             rank, world_size = dist.get_rank(), dist.get_world_size()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.split, self.labelled_share, self.sampling = split, labelled_share, sampling
-        self.rank, self.world_size, self.num_workers, self.seed = rank, world_size, num_workers, seed
+        self.options, self.split = options, options.split
+        self.rank, self.world_size = rank, world_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.memory_threshold_mb, self.gpu_cache_share, self.verify = memory_threshold_mb, gpu_cache_share, verify
-        self.max_aspect, self.intake = max_aspect, intake or IntakeConfig()
-        self.decode = decode
-        self.gpu_decode = decode == "gpu" or (decode == "auto" and self.device.type == "cuda")
+        self.gpu_decode = options.decode == "gpu" or (options.decode == "auto" and self.device.type == "cuda")
         self.decode_counts = DecodeCounts()  # images decoded so far, by where (a cached pass adds none)
         if self.gpu_decode and self.device.type != "cuda":
             raise ValueError(f"decode='gpu' needs a CUDA device, got device={self.device}: use decode='cpu'")
         if is_manifest_folder(shards_dir):
-            skipped = self._open_manifest(Path(shards_dir), split)
-        elif split == "test":
+            skipped = self._open_manifest(Path(shards_dir), self.split)
+        elif self.split == "test":
             raise ValueError(f"{shards_dir}: foreign shards have no test split (only make-shards writes one)")
         else:
             skipped = self._open_foreign(shards_dir)
-        self.size = resize or self.size  # the shorter side images are served at (resized on load when it differs)
+        # the shorter side images are served at (resized on load when it differs)
+        self.size = options.resize or self.size
         for msg in self.problems:
             _report(msg)
         self._map_rows(skipped)
         self._unreadable = set(np.flatnonzero(self.row_of_uq < 0).tolist())  # not in any readable shard
         if self._unreadable:
-            _report(f"{self.dir} ({split}): {len(self._unreadable)} of {self.n_train} samples are in no readable shard")
+            missing = f"{len(self._unreadable)} of {self.n_train} samples are in no readable shard"
+            _report(f"{self.dir} ({self.split}): {missing}")
         self._excluded = np.zeros(self.n_train, bool)
         self.decoded_mb = float((3 * self.served_hw.prod(1)).sum()) / 2**20
-        self.cache_device = cache_device(cache, self.device, self.decoded_mb, gpu_cache_share, memory_threshold_mb)
+        self.cache_device = cache_device(
+            options.cache, self.device, self.decoded_mb, options.gpu_cache_share, options.memory_threshold_mb
+        )
         self.in_memory = self.cache_device is not None
         self._cache: DecodedCache | None = None
         self._test: ShardSource | None = None
@@ -245,7 +274,7 @@ class ShardSource:
         self.labelled = np.zeros(self.n_train, bool)
         self.labelled[self.uq] = self.index.lab
         self.n_labelled = int(self.labelled.sum())
-        self.load_hw, self.served_hw = served_sizes(self.index.hw, self.size, self.max_aspect)  # per index row
+        self.load_hw, self.served_hw = served_sizes(self.index.hw, self.size, self.options.max_aspect)  # per index row
 
     def _open_manifest(self, folder: Path, split: str) -> np.ndarray:
         """Open a make-shards folder's `split`; returns the uq of the images make-shards skipped (sorted)."""
@@ -261,8 +290,8 @@ class ShardSource:
         self.urls = [str(folder / r["name"]) for r in self.records]
         skipped = np.sort(np.asarray([s["uq"] for s in m["skipped"] if s["split"] == split], np.int64))
         self.n_train = int(info["n"]) - len(skipped)
-        problems = shard_file_problems(self.records, self.urls, self.verify)
-        self.index, more, self.reused_index = make_shards_index_cached(self.urls, self.intake.index_cache)
+        problems = shard_file_problems(self.records, self.urls, self.options.verify)
+        self.index, more, self.reused_index = make_shards_index_cached(self.urls, self.options.intake.index_cache)
         self.problems = problems + more
         self._check_labels()
         return skipped
@@ -290,7 +319,7 @@ class ShardSource:
 
     def _open_foreign(self, spec) -> np.ndarray:
         """Open foreign WebDataset shards (data/reading/intake.py): every readable sample is a train sample."""
-        opened = open_foreign(spec, self.intake)
+        opened = open_foreign(spec, self.options.intake)
         self.dir = Path(spec) if isinstance(spec, (str, Path)) else Path(opened.urls[0]).parent
         self.manifest = {"dataset": FOREIGN, "counts": {"test": 0}}  # no test split
         self.dataset, self.size = FOREIGN, FOREIGN_SIZE
@@ -307,9 +336,9 @@ class ShardSource:
     def _read(self, batches: list[np.ndarray], device: torch.device | None = None) -> Iterator[Batch]:
         """Batches of the given index rows, in order, on `device` (default: the source's), read (and decoded, unless
         on the GPU) by the workers."""
-        reader = _Reader(self.urls, self.index, self.uq, not self.gpu_decode, self.max_aspect, self.load_hw)
+        reader = _Reader(self.urls, self.index, self.uq, not self.gpu_decode, self.options.max_aspect, self.load_hw)
         device = self.device if device is None else device
-        workers = self.num_workers
+        workers = self.options.num_workers
         if workers <= 0:
             parts_iter: Iterator[tuple] = (reader.__getitems__(rows) for rows in batches)
         else:
@@ -348,7 +377,8 @@ class ShardSource:
             _report(f"skipped unreadable sample uq {u} of {self.dir}: it does not decode")
             self._unreadable.add(u)
         hw = self.load_hw[self.row_of_uq[uq.numpy()]]
-        images = [cap_aspect(resize_uint8(d, hw[i]), self.max_aspect) for i, d in enumerate(decoded) if d is not None]
+        cap = self.options.max_aspect
+        images = [cap_aspect(resize_uint8(d, hw[i]), cap) for i, d in enumerate(decoded) if d is not None]
         if not images:
             return torch.empty(0, 3, 1, 1, dtype=torch.uint8, device=self.device), None, keep
         canvas, sizes = pad_into(images)
@@ -415,9 +445,9 @@ class ShardSource:
         with the reference's weights (or a permutation, `sampling="shuffle"`) by a generator seeded by (seed, epoch)."""
         present = torch.from_numpy((self.row_of_uq >= 0) & ~self._excluded)
         n = int(present.sum())
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + seed) * 100_003 + epoch)
-        if self.sampling == "weighted":
-            return sample_epoch(torch.from_numpy(self.labelled), n, self.labelled_share, gen, present)
+        gen = torch.Generator().manual_seed((self.options.seed * 1_000_003 + seed) * 100_003 + epoch)
+        if self.options.sampling == "weighted":
+            return sample_epoch(torch.from_numpy(self.labelled), n, self.options.labelled_share, gen, present)
         return torch.nonzero(present).squeeze(1)[torch.randperm(n, generator=gen)]
 
     def train_batches(self, batch_size: int, epoch: int, seed: int, skip: int = 0) -> Iterator[Batch]:
@@ -462,21 +492,18 @@ class ShardSource:
             yield from self.feature_batches(batch_size)
             return
         if self._test is None:
-            self._test = ShardSource(
-                self.dir,
+            # the test split: every sample once, in a fixed order, decoded where the train split is, at its size
+            served = dataclasses.replace(
+                self.options,
                 split="test",
-                memory_threshold_mb=self.memory_threshold_mb,
-                rank=self.rank,
-                world_size=self.world_size,
-                num_workers=self.num_workers,
-                seed=self.seed,
-                device=self.device,
-                gpu_cache_share=self.gpu_cache_share,
+                labelled_share=None,
+                sampling=ReadOptions.sampling,
+                cache=ReadOptions.cache,
                 decode="gpu" if self.gpu_decode else "cpu",
-                max_aspect=self.max_aspect,
+                verify=False,
                 resize=self.size,
-                intake=self.intake,
             )
+            self._test = ShardSource(self.dir, served, device=self.device, rank=self.rank, world_size=self.world_size)
         yield from self._test.test_batches(batch_size)
 
     # ---- decoded cache ------------------------------------------------------------------------------------------
