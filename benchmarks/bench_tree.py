@@ -184,7 +184,11 @@ def summarise(runs: list[dict]) -> dict:
         values = [r[key] for r in runs]
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
         out[key] = {
-            "mean": statistics.fmean(values), "min": min(values), "max": max(values), "sd": sd, "n": len(values)
+            "mean": statistics.fmean(values),
+            "min": min(values),
+            "max": max(values),
+            "sd": sd,
+            "n": len(values),
         }
     return out
 
@@ -203,7 +207,9 @@ def main(argv=None) -> dict:
     p.add_argument("--json", type=Path, help="also write the result here")
     p.add_argument("--diagnose", action="store_true", help="only the gradient measurement (seconds), as JSON")
     args = smoke.shrink(
-        p.parse_args(argv), classes=2, seeds=[1],
+        p.parse_args(argv),
+        classes=2,
+        seeds=[1],
         more_sets=("schedule.epochs=1", "data.crop_size=32", "data.batch_size=32"),
     )
     if args.diagnose:
@@ -259,7 +265,8 @@ def main(argv=None) -> dict:
             "backbone_all_difference_standard_error": (
                 ref["backbone_all"]["sd"] ** 2 / ref["backbone_all"]["n"]
                 + tree["backbone_all"]["sd"] ** 2 / tree["backbone_all"]["n"]
-            ) ** 0.5,
+            )
+            ** 0.5,
             "backbone_all_not_lower_beyond_noise": tree["backbone_all"]["mean"] >= ref["backbone_all"]["mean"] - spread,
         }
     if args.plots:

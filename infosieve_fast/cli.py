@@ -71,8 +71,10 @@ def _resume_automatically(cfg: config_mod.Config, args: argparse.Namespace, run_
         saved = config_mod.load_config(run_dir / "config.yaml", saved=True)
         drift = config_mod.config_drift(saved.to_dict(), cfg.to_dict())
         listed = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in drift.items())
-        problem = f"--resume auto: {run_dir} holds a run of another config ({listed}); choose another --out, or " \
-            f"continue that run with `infosieve train --resume {run_dir}`"  # fmt: skip
+        problem = (
+            f"--resume auto: {run_dir} holds a run of another config ({listed}); choose another --out, or "
+            f"continue that run with `infosieve train --resume {run_dir}`"
+        )
         answer = (not drift, problem if drift else None)
     resume, problem = distributed.broadcast_object(answer)
     if problem:

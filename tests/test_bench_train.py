@@ -38,7 +38,13 @@ def test_report_names_its_provenance_and_leads_with_the_default_against_its_fair
     assert isinstance(report["dirty"], bool) and len(report["tree_hash"]) == 64
     assert report["device"].startswith("cpu")
     assert list(report["step"]["variants"]) == [
-        "fast_default", "published_bf16", "published_fp32", "fast_eager", "fast_all", "fast_graph"]
+        "fast_default",
+        "published_bf16",
+        "published_fp32",
+        "fast_eager",
+        "fast_all",
+        "fast_graph",
+    ]
     first = list(report["summary"])[:3]
     assert first == ["default_variant", "step_speedup_vs_published_bf16", "peak_memory_ratio_vs_published_bf16"]
     assert report["summary"]["default_variant"] == "fast_default"
@@ -188,10 +194,19 @@ def test_documented_command_sets_up_every_variant_at_crop_224():
         step, finish, details = bench_train.step_functions(args, args.device, variant, batch, pseudo, n_old)
         assert callable(step) and callable(finish)
         fields = details()
-        assert fields == ({} if variant.startswith("published") else {
-            "compile": "eager", "compile_reason": fields["compile_reason"], "seconds_compile": 0.0,
-            "cuda_graph": "eager", "cuda_graph_reason": "train.cuda_graph=off", "cuda_graph_captures": 0,
-            "seconds_cuda_graph_capture": 0.0})
+        assert fields == (
+            {}
+            if variant.startswith("published")
+            else {
+                "compile": "eager",
+                "compile_reason": fields["compile_reason"],
+                "seconds_compile": 0.0,
+                "cuda_graph": "eager",
+                "cuda_graph_reason": "train.cuda_graph=off",
+                "cuda_graph_captures": 0,
+                "seconds_cuda_graph_capture": 0.0,
+            }
+        )
 
 
 def test_smoke_size_keeps_what_a_command_sets(monkeypatch):

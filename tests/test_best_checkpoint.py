@@ -49,8 +49,9 @@ def digits(cfg, permute_unlabelled: bool = False) -> InMemoryGCD:
     if permute_unlabelled:
         unl = (~source.labelled).nonzero().squeeze(1)
         targets[unl] = targets[unl][torch.randperm(len(unl), generator=torch.Generator().manual_seed(0))]
-        assert (targets != source.targets).float().mean() > 0.5 and torch.equal(targets[source.labelled],
-                                                                                source.targets[source.labelled])
+        assert (targets != source.targets).float().mean() > 0.5 and torch.equal(
+            targets[source.labelled], source.targets[source.labelled]
+        )
     return InMemoryGCD(source.images, targets, source.labelled, source.n_old, source.labelled_share)
 
 

@@ -26,5 +26,5 @@ def test_card_figures_by_device_name(name, figures):
 
 
 def test_the_first_matching_name_wins():
-    """"H100 PCIe" also contains "H100": the PCIe row is listed first so that it is the one found."""
+    """ "H100 PCIe" also contains "H100": the PCIe row is listed first so that it is the one found."""
     assert datasheet.card("NVIDIA H100 PCIe").hbm_gb_per_s == 2000.0

@@ -262,8 +262,12 @@ def test_export_writes_the_next_rounds_folder_with_the_named_clusters_as_known(r
         source = root / (name if name.split("/")[1] in known or name.startswith("unlabelled/")
                          else "unlabelled/" + name.split("/", 2)[2])  # fmt: skip
         assert (out / name).read_bytes() == source.resolve().read_bytes()
-    assert summary == {"out": str(out), "labelled": len(labelled_before) + len(gone),
-                       "named": {n: len(f) for n, f in moved.items()}, "unlabelled": len(pool_before) - len(gone)}
+    assert summary == {
+        "out": str(out),
+        "labelled": len(labelled_before) + len(gone),
+        "named": {n: len(f) for n, f in moved.items()},
+        "unlabelled": len(pool_before) - len(gone),
+    }
     assert cli.main(["make-shards", "--dataset", "discovery", "--root", str(out), "--out", str(tmp_path / "s"),
                      "--resize", "64", "--workers", "1", "--no-progress"]) == 0  # fmt: skip
     written = json.loads(capsys.readouterr().out)

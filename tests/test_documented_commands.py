@@ -74,92 +74,92 @@ PLAN = [
         r"infosieve estimate-k --run \S+ --json benchmarks/results/\S+",
         "parse",
         "rewrites a committed result; the same search runs here on the demo's run (infosieve estimate-k --run RUN)",
-    ),  # fmt: skip
+    ),
     Entry(r"infosieve (eval|tree|report|estimate-k) --run \S+( --depth \d+)?", "run"),
     Entry(
         r"infosieve eval --run \S+ --split test",
         "parse",
         "needs a run on shards with a test split (tests/test_eval_logging.py scores one)",
-    ),  # fmt: skip
+    ),
     Entry(
         r"infosieve predict --run \S+ --images /data/mine/unlabelled --out \S+",
         "parse",
         "needs a run on your own images (tests/test_discovery.py runs it on a run on real birds)",
-    ),  # fmt: skip
+    ),
     Entry(r"infosieve predict --run \S+ --images \S+ --out \S+", "run"),
     Entry(
         r'infosieve (name --run \S+( novel-\d+=("[^"]*"|\S+))+|export --run \S+ --out \S+)',
         "parse",
         "needs a run on your own images (tests/test_discovery_gallery.py names and exports one on real birds)",
-    ),  # fmt: skip
+    ),
     Entry(
         r"infosieve estimate-k --features \S+ --known-classes \d+ --json \S+",
         "parse",
         "over a minute on 2 cores; tests/test_estimate_k.py runs the same search on the same features",
-    ),  # fmt: skip
+    ),
     Entry(
         rf"infosieve make-shards --dataset {DATASETS} .*",
         "parse",
         "needs the dataset download "
         "(tests/test_data_splits.py and tests/test_layout_imagenet1k.py run the layouts on stand-ins)",
-    ),  # fmt: skip
+    ),
     Entry(
         r"infosieve make-shards --dataset discovery .*",
         "parse",
         "needs your own images (tests/test_discovery.py runs the same command on a folder of real birds it builds)",
-    ),  # fmt: skip
+    ),
     Entry(r"infosieve train --config configs/(dinov2-)?cub\.yaml .*", "parse", "needs CUB-200-2011 and DINO weights"),
     Entry(
         r"infosieve train --config configs/cub100-tree\.yaml --data\.shards /data/shards/mine\S* .*",
         "parse",
         "needs your own images (tests/test_discovery.py trains this config on a folder of real birds it builds)",
-    ),  # fmt: skip
+    ),
     Entry(r"infosieve sweep --config configs/demo\.yaml .*", "run"),
     Entry(r"infosieve compare SWEEP RUN --out \S+ --json \S+", "run"),
     Entry(
         rf"infosieve sweep --config configs/(dinov2-)?{DATASETS}\.yaml .*",
         "parse",
         "needs the dataset and the DINO (or DINOv2) weights; tests/test_sweep.py runs sweeps on the digits",
-    ),  # fmt: skip
+    ),
     Entry(r"python -m benchmarks\.cub_subset( --[\w-]+ \S+)+", "run"),
     Entry(
         r"infosieve make-shards --dataset cubfiles --root runs/\S+ .*",
         "parse",
         "reads the folder the command above it writes (tests/test_cub_subset.py reads such a folder as cubfiles, and "
         "benchmarks/bench_tree.py makes the same shards from it)",
-    ),  # fmt: skip
+    ),
     Entry(
         r"infosieve sweep --config configs/cub100-(tree|heldout)\.yaml .*",
         "parse",
         "hours on 2 CPU cores (tests/test_sweep.py runs sweeps on the digits; bench_tree.py trains this config)",
-    ),  # fmt: skip
+    ),
     Entry(
         r"infosieve compare runs/\S+ .*",
         "parse",
         "compares the sweep of the command above it, which needs a dataset (tests/test_compare.py compares sweeps)",
-    ),  # fmt: skip
+    ),
     Entry(
         r"torchrun --nnodes=\d+ --node_rank=\d+ --nproc_per_node=\d+ --master_addr=\S+ --master_port=\d+ "
         r"-m infosieve_fast\.cli .*",
         "parse",
         "needs several machines (tests/test_multinode.py runs two nodes on this one)",
-    ),  # fmt: skip
+    ),
     Entry(
         r"torchrun --nproc_per_node=\d+ --max-restarts=\d+ -m infosieve_fast\.cli .*",
         "parse",
         "needs several GPUs (tests/test_preemption.py runs a restarted launch on two gloo ranks; the SLURM script's "
         "test below runs torchrun with one)",
-    ),  # fmt: skip
+    ),
     Entry(
         r"torchrun --nproc_per_node=\d+ -m infosieve_fast\.cli .*",
         "parse",
         "needs several GPUs (tests/test_engine_ddp.py runs the same path on gloo ranks)",
-    ),  # fmt: skip
+    ),
     Entry(
         r"python -m benchmarks\.bench_kmeans --device cuda .*",
         "gpu",
         "CUDA: benchmarks/tools/gpu_check.sh runs it, and its CPU rehearsal runs here (the gpu_check.sh entry)",
-    ),  # fmt: skip
+    ),
     Entry(r"python -m benchmarks\.(bench_|tools\.(check|gpu)_)\w+( .*)?", "run"),
     Entry(
         r"(GPU_CHECK_COMMIT=\$\(git rev-parse HEAD\) RESULTS_DIR=\S+ |INFOSIEVE_BENCH_SMOKE=1 )"

@@ -52,8 +52,10 @@ def test_a_tree_of_an_older_checkpoint_is_named_stale(stale):
         f"run `infosieve tree --run {run}` to refresh it"
     )
     tree, note = saved_tree(fresh)
-    assert note is None and tree == json.loads((fresh / "tree.json").read_text()) and tree["checkpoint"] == (
-        "last, epoch 3"
+    assert (
+        note is None
+        and tree == json.loads((fresh / "tree.json").read_text())
+        and tree["checkpoint"] == ("last, epoch 3")
     )
     (fresh / "tree.json").rename(fresh / "moved.json")
     assert saved_tree(fresh) == (None, None)  # no tree.json: nothing to show, nothing stale

@@ -531,7 +531,7 @@ def find_value(number: DocNumber, results: Results, file: str) -> str:
 
 
 def find_quotient(number: DocNumber, results: Results, file: str) -> str:
-    """"a / b" for two values of one quantity in `file` whose quotient rounds to the written ratio, or ""."""
+    """ "a / b" for two values of one quantity in `file` whose quotient rounds to the written ratio, or ""."""
     for quantity in DIVISIBLE:
         pair = _quotient_match(number, results.sorted_values(file, quantity))
         if pair:

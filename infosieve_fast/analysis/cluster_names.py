@@ -49,14 +49,14 @@ def parse_assignment(text: str) -> tuple[str, str]:
     """`novel-7=Blue Jay` -> ("novel-7", "Blue Jay"); the name stripped of surrounding spaces."""
     cluster, sep, name = text.partition("=")
     if not sep:
-        raise ValueError(f"{text!r} is not CLUSTER=NAME: write e.g. novel-7=\"Blue Jay\"")
+        raise ValueError(f'{text!r} is not CLUSTER=NAME: write e.g. novel-7="Blue Jay"')
     return cluster.strip(), name.strip()
 
 
 def check_name(cluster: str, name: str) -> None:
     """A name `export` can make a folder of on every common file system (file_names.py)."""
     if not name:
-        raise ValueError(f"{cluster}= has an empty name: give it one, e.g. {cluster}=\"Blue Jay\"")
+        raise ValueError(f'{cluster}= has an empty name: give it one, e.g. {cluster}="Blue Jay"')
     problem = name_problem(name)
     if problem:
         raise ValueError(

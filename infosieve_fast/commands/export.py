@@ -32,8 +32,9 @@ from ..training.run_files import CLUSTERING, read_clustering
 def placed_files(names: list[str], clustering: dict, given: dict[int, str]) -> dict[str, str]:
     """{source path: path in DIR} (relative to the two folders) of every train image, `names` by uq."""
     pool = np.asarray(clustering["targets"]) == NO_LABEL
-    cluster_of = dict(zip(np.asarray(clustering["uq"])[pool].tolist(), np.asarray(clustering["preds"])[pool].tolist(),
-                          strict=True))  # fmt: skip
+    cluster_of = dict(
+        zip(np.asarray(clustering["uq"])[pool].tolist(), np.asarray(clustering["preds"])[pool].tolist(), strict=True)
+    )
     placed = {}
     for uq, name in enumerate(names):
         k = cluster_of.get(uq)

@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 
-
 class SplitAcc(NamedTuple):
     """All / Old / New accuracy; unpacks like the reference's ``(total_acc, old_acc, new_acc)`` tuple."""
 

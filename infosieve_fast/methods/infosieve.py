@@ -2,7 +2,7 @@
 
 Its labeller reads the normalised projection rather than the backbone features, and
 `infosieve_fast.network.model.InfoSieve` builds and runs it today, so the step passes that model's whole output as the
-head output `MODEL_OUTPUT`. """
+head output `MODEL_OUTPUT`."""
 
 from __future__ import annotations
 

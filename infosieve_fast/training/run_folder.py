@@ -101,8 +101,10 @@ def stopped_at_once(stopped: StoppedAtOnce, run_dir: Path) -> Preempted:
     ckpt.wait_for_checkpoint()
     when = "again, without waiting for the step" if stopped.again else "while the run was being set up"
     if (run_dir / ckpt.CHECKPOINT).is_file():
-        way_back = f"its last checkpoint, {run_dir / ckpt.CHECKPOINT}, is as it was: continue with " \
-            f"`infosieve train --resume {run_dir}`"  # fmt: skip
+        way_back = (
+            f"its last checkpoint, {run_dir / ckpt.CHECKPOINT}, is as it was: continue with "
+            f"`infosieve train --resume {run_dir}`"
+        )
     else:
         way_back = "it had no checkpoint yet: run the same command again (the folder is started afresh)"
     return Preempted(f"{stopped.signal_name} {when}: stopped at once; {way_back}")

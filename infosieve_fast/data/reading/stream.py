@@ -183,8 +183,12 @@ class ReadOptions:
     intake: IntakeConfig = field(default_factory=IntakeConfig)
 
     def __post_init__(self):
-        for name, value in (("split", self.split), ("sampling", self.sampling), ("cache", self.cache),
-                            ("decode", self.decode)):  # fmt: skip
+        for name, value in (
+            ("split", self.split),
+            ("sampling", self.sampling),
+            ("cache", self.cache),
+            ("decode", self.decode),
+        ):
             if value not in _CHOICES[name]:
                 raise ValueError(f"{name} must be one of {_CHOICES[name]}, got {value!r}")
         if self.max_aspect is not None and self.max_aspect < 1:
