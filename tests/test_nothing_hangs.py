@@ -5,6 +5,7 @@ the images instead of waiting on it. The signal cases inside the step loop are i
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import json
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from infosieve_fast.common.worker_processes import reset_stop_signals, stop_signals_blocked
 from infosieve_fast.data.reading import tar
 from infosieve_fast.training.preemption import PREEMPTED_EXIT, StoppedAtOnce, StopSignals
 
@@ -62,6 +64,25 @@ def test_index_workers_forked_under_the_stop_handler_end_on_sigterm(tmp_path, mo
     assert problems == [repr(signal.SIG_DFL)] * 4
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_sigterm_before_a_worker_has_reset_its_handlers_still_ends_it(deferred):
+    """The window between a worker's fork and its initialiser: a SIGTERM there (Pool.terminate's, when the pool's work
+    ended before this worker started) reached the parent's handler, copied into the child, and was swallowed; the
+    worker then waited for ever and so did the pool's join. Forked with the stop signals blocked, the worker gets the
+    signal once its default action is back, and ends."""
+    with StopSignals() as stop, stop.deferred() if deferred else contextlib.nullcontext():
+        with stop_signals_blocked():
+            pid = os.fork()
+            if pid == 0:  # the worker, as multiprocessing runs it (inside the fork): the signal comes first
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    reset_stop_signals()
+                finally:
+                    os._exit(0)  # only reached if the signal was swallowed
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+
+
 def test_a_signal_outside_the_step_loop_or_a_second_one_stops_at_once():
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as stop:
@@ -77,6 +98,7 @@ def test_a_signal_outside_the_step_loop_or_a_second_one_stops_at_once():
 
 SLOW_INDEX = """
 import pathlib, sys, time
+from infosieve_fast.common.worker_processes import reset_stop_signals, stop_signals_blocked
 from infosieve_fast.data.reading import tar
 def slow(path, keys):
     pathlib.Path(sys.argv[1], pathlib.Path(path).name).touch()

@@ -3,7 +3,10 @@
 A process forked while the run's stop handler (`preemption.StopSignals`) is installed inherits it, so SIGTERM would
 only set a flag in the child (or raise there). `multiprocessing.Pool.terminate` ends its workers with SIGTERM and then
 joins them with no time limit: a worker that swallows it keeps its parent waiting for ever. So every worker the project
-starts begins with one of the two initialisers below.
+starts begins with one of the two initialisers below. Until its initialiser has run, a worker still has the parent's
+handler, and a SIGTERM in that window (a slow start, a pool that finishes its work first) would be swallowed by it: so
+workers are started with the stop signals blocked (`stop_signals_blocked`) and unblock them once their default action
+is back, when a pending SIGTERM ends them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def reset_stop_signals() -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def start_reader_worker(_worker_id: int) -> None:
@@ -36,13 +40,26 @@ def start_reader_worker(_worker_id: int) -> None:
     os.setpgid(0, 0)
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Within: this thread holds the stop signals back (a signal that comes meanwhile waits, and is then handled as
+    before); what it forks, and the threads it starts, begin with them blocked."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextmanager
 def forked_pool(processes: int) -> Iterator[multiprocessing.pool.Pool]:
     """A pool of `processes` forked workers that start with `reset_stop_signals`, terminated on the way out (its join
     then lasts as long as a SIGTERM takes to end a process)."""
-    pool = multiprocessing.get_context("fork").Pool(processes, initializer=reset_stop_signals)
+    with stop_signals_blocked():  # the pool's workers, and the threads that start any replacement
+        pool = multiprocessing.get_context("fork").Pool(processes, initializer=reset_stop_signals)
     try:
         yield pool
     finally:

@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from ...common import distributed as dist
 from ...common.labels import NO_LABEL
 from ...common.shown_text import terminal_safe
-from ...common.worker_processes import start_reader_worker
+from ...common.worker_processes import start_reader_worker, stop_signals_blocked
 from ...config.settings import DataConfig, IntakeConfig
 from ..shard_format import DISCOVERY
 from ..shard_manifest import ManifestError, read_manifest, shard_file_problems
@@ -346,18 +346,19 @@ class ShardSource:
         if workers <= 0:
             parts_iter: Iterator[tuple] = (reader.__getitems__(rows) for rows in batches)
         else:
-            parts_iter = iter(
-                DataLoader(
-                    reader,
-                    batch_sampler=[rows.tolist() for rows in batches],
-                    num_workers=workers,
-                    collate_fn=_as_is,
-                    pin_memory=self.device.type == "cuda",
-                    prefetch_factor=2,
-                    multiprocessing_context=worker_context(preload=__name__),
-                    worker_init_fn=start_reader_worker,
+            with stop_signals_blocked():  # its workers are forked here: see worker_processes.py
+                parts_iter = iter(
+                    DataLoader(
+                        reader,
+                        batch_sampler=[rows.tolist() for rows in batches],
+                        num_workers=workers,
+                        collate_fn=_as_is,
+                        pin_memory=self.device.type == "cuda",
+                        prefetch_factor=2,
+                        multiprocessing_context=worker_context(preload=__name__),
+                        worker_init_fn=start_reader_worker,
+                    )
                 )
-            )
         for parts in parts_iter:
             images, sizes, cls, uq, lab, failed = parts
             self._unreadable.update(failed.tolist())
