@@ -52,7 +52,7 @@ def test_a_refused_fsync_of_a_log_line_keeps_the_earlier_lines(tmp_path, monkeyp
 
 def test_a_read_only_folder_is_named_and_its_checkpoint_kept(tmp_path, monkeypatch):
     ckpt.save_checkpoint(tmp_path, {"epoch": 1})
-    monkeypatch.setattr(ckpt.tempfile, "mkstemp", refuse(errno.EROFS))  # the folder was remounted read-only
+    monkeypatch.setattr(files.tempfile, "mkstemp", refuse(errno.EROFS))  # the folder was remounted read-only
     with pytest.raises(files.DiskWriteError) as err:
         ckpt.save_checkpoint(tmp_path, {"epoch": 2})
     assert str(err.value) == (
