@@ -256,6 +256,15 @@ class Evaluator:
         mine[(~lab).nonzero().squeeze(1)] = labels[n_lab:]
         return Clustering(self.gather_table(fs, mine), float(result.inertia), result.centers.float())
 
+    def assign(self, fs: FeatureSet, centers: Tensor) -> Clustering:
+        """Every train sample of `fs` to the row of `centers` [K, D] (unit rows) with the largest dot product with its
+        feature, its nearest (a head's prediction: `Method.prediction_centres`), as a `Clustering` with those centres;
+        the inertia is the sum of the squared distances to them."""
+        centers = centers.to(self.device).float()
+        labels = (fs.feats @ centers.T).argmax(1)
+        inertia = float(dist.all_reduce_sum((fs.feats - centers[labels]).pow(2).sum()))
+        return Clustering(self.gather_table(fs, labels), inertia, centers)
+
     # -------------------------------------------------------------------------------------------- scoring
     def evaluate(self, fs: FeatureSet) -> Evaluation:
         """All/Old/New of SS-k-means on `fs` (the run's K, `kmeans.eval_balanced`, seed 0), on the unlabelled train
@@ -318,5 +327,6 @@ def epoch_log(ev: Evaluator, full: Evaluation) -> dict:
     out = {"eval": full.metrics}
     if ev.has_test_split():
         out["eval_test"] = ev.evaluate_test(full.clustering.centers)
-    out["eval_codes"] = evaluate_codes(ev)
+    if ev.model.labeller is not None:  # a method with codes
+        out["eval_codes"] = evaluate_codes(ev)
     return out

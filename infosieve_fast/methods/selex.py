@@ -11,6 +11,7 @@ InfoNCE runs in PyTorch: the fused InfoNCE kernel's target is the positive plus 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor
 import infosieve_kernels as kernels
 from infosieve_kernels.reference import contrastive_logits, pairwise_distances
 
+from ..config.settings import Config
 from .base import Method, StepTensors
 from .contrastive import labelled_rows
 
@@ -40,6 +42,10 @@ def cluster_radii(centres: Tensor) -> Tensor:
 
 class SelEx(Method):
     name, labels, predicts = "selex", "hierarchy", "kmeans"
+
+    @classmethod
+    def from_config(cls, cfg: Config, n_old: int) -> SelEx:
+        return cls(**dataclasses.asdict(cfg.selex), backend=cfg.train.kernels)
 
     def __init__(
         self,
