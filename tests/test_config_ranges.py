@@ -106,6 +106,7 @@ CASES = {
     "selex.supcon_temperature": (0.0, 0.1),
     "selex.cluster_momentum": (1.5, 0.9),
     "selex.batch_features": ("whitened", "normalized"),
+    "selex.level_order": ("sorted", "uq"),
 }
 
 

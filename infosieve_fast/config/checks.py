@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 CHOICES = {
     "method": ("infosieve", "gcd", "simgcd", "selex"),  # infosieve_fast/methods/'s METHODS
     "selex.batch_features": ("raw", "normalized"),
+    "selex.level_order": ("published", "uq"),
     "loss.length_weights": ("stale", "current"),
     "loss.sup_code_input": ("code", "trunc_code"),
     "loss.code_constraint": ("reference", "paper"),

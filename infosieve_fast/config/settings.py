@@ -107,6 +107,9 @@ class SelExConfig:
     cluster_momentum: float = 1.0  # per-step update of the cluster radii (1: kept as computed each epoch, published)
     # the batch's backbone features the radii are compared with: "raw" (published) | "normalized" (as the centres')
     batch_features: str = "raw"
+    # how a level >= 1's labels reach the samples: "published" (read in the wrong order, docs/reference.md §12.3
+    # surprise 4) | "uq" (each sample its own)
+    level_order: str = "published"
 
 
 METHOD_SECTIONS = ("gcd", "simgcd", "selex")  # each method's own settings section, named as its `method:` value

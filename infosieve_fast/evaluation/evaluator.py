@@ -228,22 +228,23 @@ class Evaluator:
                 print(f"kmeans.n_clusters=auto: WARNING: {warning}")
         return found["k"]
 
-    def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Clustering:
+    def cluster(self, fs: FeatureSet, seed: int, balanced: bool, n_clusters: int | None = None) -> Clustering:
         """SS-k-means cluster id of every train sample, indexed by uq (complete on every rank), the inertia and the
-        centres."""
+        centres. `n_clusters`: K of this round instead of the run's (`clusters`; then a balanced round's capacity is
+        ceil(N / K), not `kmeans.cluster_size`)."""
         k = self.kmeans
         lab = fs.labelled
         result = semi_supervised_kmeans(
             fs.feats[~lab],
             fs.feats[lab],
             fs.targets[lab],
-            self.clusters(fs),
+            self.clusters(fs) if n_clusters is None else n_clusters,
             n_init=k.n_init,
             max_iter=k.max_iter,
             tol=k.tol,
             balanced=balanced,
             balance=k.balance,
-            cluster_size=k.cluster_size if balanced else None,
+            cluster_size=k.cluster_size if balanced and n_clusters is None else None,
             freeze_labelled_centers=k.freeze_labelled_centers,
             seed=seed,
             backend=k.backend,

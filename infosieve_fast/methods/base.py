@@ -16,10 +16,12 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from ..config.settings import Config
+    from .selex_hierarchy import ClusterFn
 
 # What the training loss reads each epoch, computed before the epoch's steps (docs/reference.md §12):
 # "kmeans": one SS-k-means pseudo-label per train sample; "hierarchy": one per sample and level (SelEx);
-# "none": nothing (GCD, SimGCD), so the engine skips the per-epoch feature pass and clustering.
+# "none": nothing (GCD, SimGCD), so the engine skips the per-epoch feature pass and clustering. A "hierarchy" method
+# builds its levels from the epoch's SS-k-means round (`label_levels`).
 LABELS = ("kmeans", "hierarchy", "none")
 # The StepTensors.heads entry that holds the whole model output (`network.model.ModelOutput`), beside the method's
 # own heads: InfoSieve's loss reads the labeller's outputs from it.
@@ -66,6 +68,20 @@ class Method(nn.Module):
 
     def set_epoch(self, epoch: int) -> None:
         """Per-epoch schedules, written into buffers in place (nothing by default)."""
+
+    def label_levels(self, labels: Tensor, centres: Tensor, labelled: Tensor, n_old: int, cluster: ClusterFn) -> Tensor:
+        """`labels == "hierarchy"`: the epoch's labels [levels, n_train] from its SS-k-means round (`labels` [n_train]
+        by uq, `centres` [K, F]), clustering further levels with `cluster`; keeps what its steps need (the levels'
+        centres). `labelled`: [n_train] the samples labelled in the data."""
+        raise NotImplementedError(f"method {self.name} reads {self.labels!r} labels, not a hierarchy")
+
+    def step_state(self) -> dict[str, Tensor]:
+        """What the method keeps between the steps of an epoch (set by `set_epoch` / `label_levels`, or updated by the
+        steps), saved with a checkpoint taken mid-epoch; nothing by default."""
+        return {}
+
+    def load_step_state(self, state: dict[str, Tensor]) -> None:
+        """`step_state` of a checkpoint taken mid-epoch, before the epoch's remaining steps."""
 
     def prediction_centres(self, heads: nn.ModuleDict) -> Tensor:
         """`predicts == "head"`: [K, F] unit rows whose nearest row (largest dot product) to an L2-normalised backbone

@@ -11,6 +11,7 @@ table and the same All/Old/New. `data.batch_size` is per rank. `run_folder.py` r
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from ..common import distributed as dist
 from ..common.distributed import rank_seed
-from ..config.settings import Config, ConfigError
+from ..config.settings import Config
 from ..data import InMemoryGCD, build_source
 from ..data.reading.augment import AugmentConfig, DeviceAugment
 from ..data.reading.base import Batch, GCDSource
@@ -80,11 +81,6 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # the method's loss and what it keeps between steps (`methods.Method`); its heads are part of the model
         self.method = build_method(cfg, self.source.n_old).to(self.device)
-        if self.method.labels == "hierarchy":
-            raise ConfigError(
-                f"method={cfg.method} labels the train set by a per-epoch cluster hierarchy, which the training loop "
-                "does not build yet: train method=infosieve, gcd or simgcd"
-            )
         n_classes = self.source.n_classes
         self.model = build_model(cfg, self.source.n_old, backbone, pretrained, self.method, n_classes).to(self.device)
         d = cfg.data
@@ -184,11 +180,14 @@ class Trainer:
             self.unreadable = list(resumed.unreadable)
             self.source.exclude(self.unreadable)
             pseudo, inertia = resumed.pseudo.to(self.device), resumed.inertia
+            self.method.load_step_state(resumed.method)
             features_done = kmeans_done = time.perf_counter()
 
         monitor = self._run_steps(name, epoch, pseudo, resumed)
         if monitor.stopped is not None:
-            raise StoppedMidEpoch(MidEpoch(epoch, monitor.steps, pseudo, inertia, self.unreadable, monitor.stopped))
+            stopped = MidEpoch(epoch, monitor.steps, pseudo, inertia, self.unreadable, monitor.stopped)
+            stopped.method = self.method.step_state()
+            raise StoppedMidEpoch(stopped)
         losses = {f"loss_{k}": v for k, v in monitor.means().items()}
         end = time.perf_counter()  # monitor.check() read the device: the steps have finished
         return {
@@ -224,11 +223,28 @@ class Trainer:
         features_done = time.perf_counter()  # the checks above read the device: the feature pass has finished
         status.close()  # each phase its own line, so each line's timer shows that phase's time
         status = status_line(f"{name}: SS-k-means pseudo-labels")
-        clustering = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
+        seed = epoch_seed(cfg.train.seed, epoch, 2)
+        clustering = self.cluster(fs, seed=seed, balanced=cfg.kmeans.balanced)
         self.centers = clustering.centers.cpu()
+        labels = clustering.labels
+        if self.method.labels == "hierarchy":
+            labels = self._label_levels(fs, clustering, seed)
         kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
         status.close()
-        return clustering.labels, clustering.inertia, features_done, kmeans_done
+        return labels, clustering.inertia, features_done, kmeans_done
+
+    def _label_levels(self, fs: FeatureSet, level0: Clustering, seed: int) -> Tensor:
+        """A "hierarchy" method's labels [levels, n_train] from the epoch's round `level0`: each further level is a
+        round of the same balanced SS-k-means (`seed`) of `fs` with the labelled samples and K the method says."""
+        ev = self.evaluator()
+
+        def cluster(labelled: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tensor]:
+            level_fs = dataclasses.replace(fs, labelled=labelled[fs.uq], targets=targets[fs.uq])
+            result = ev.cluster(level_fs, seed=seed, balanced=self.cfg.kmeans.balanced, n_clusters=k)
+            return result.labels, result.centers
+
+        labelled = ev.gather_table(fs, fs.labelled.long(), fill=0).bool()
+        return self.method.label_levels(level0.labels, level0.centers, labelled, self.source.n_old, cluster)
 
     def _run_steps(self, name: str, epoch: int, pseudo: Tensor, resumed: MidEpoch | None) -> LossMonitor:
         """The epoch's training steps on its pseudo-labels (after `resumed`'s, when it finishes a preempted epoch),
@@ -299,7 +315,7 @@ class Trainer:
         device (the monitor reads the loss later)."""
         batch = batch.to(self.device, non_blocking=True)
         views = self.augment.train_views(batch.images, 2, gen, batch.sizes)
-        inputs = StepInputs(views, batch.targets, batch.labelled, pseudo[batch.uq])
+        inputs = StepInputs(views, batch.targets, batch.labelled, pseudo[..., batch.uq])  # [B], or [levels, B]
         monitor.record(self.step_graph(self._step, inputs, self._baked_host_values()))
 
     def _step(self, inputs: StepInputs) -> StepOutputs:
