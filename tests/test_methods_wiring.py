@@ -174,3 +174,10 @@ def test_a_short_run_trains_resumes_evaluates_predicts_and_reports(method, tmp_p
     assert all(r["code"] == r["prefix"] == "" and r["tree_path"] == [] for r in records)
     assert cli.main(["report", "--run", str(run)]) == 0
     assert (run / "report.html").is_file()
+
+
+def test_a_head_that_predicts_needs_the_number_of_classes_before_training():
+    with pytest.raises(ConfigError, match=r"^method=simgcd predicts with a head .* kmeans.n_clusters=auto") as err:
+        Trainer(tiny("simgcd", "kmeans.n_clusters=auto"))
+    assert "\n" not in str(err.value)
+    assert Trainer(tiny("simgcd", "kmeans.n_clusters=12")).model.method_heads[HEAD].last_layer.weight_v.shape[0] == 12
