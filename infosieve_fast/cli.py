@@ -121,7 +121,7 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         metrics = trainer.evaluate()
     print_table({f"{args.checkpoint} ({args.split})": metrics}, trainer.cfg.train.eval_protocol)
-    if args.split == "train":  # what the codes hold, on the same unlabelled samples
+    if args.split == "train" and trainer.model.labeller is not None:  # what the codes hold, on the same samples
         from .evaluation.code_metrics import evaluate_codes, format_code_measures
 
         print(format_code_measures(evaluate_codes(trainer.evaluator())))

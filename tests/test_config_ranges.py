@@ -1,6 +1,7 @@
-"""Every setting of the model, loss, optim, schedule and kmeans sections is checked when the config loads: one bad
-value per key fails with a one-line ConfigError that starts with the key's dotted name, one good value loads. The keys
-come from the dataclasses, so a new setting without a case here (and a check in config_checks.py) fails."""
+"""Every setting of the model, loss, optim, schedule, kmeans and method (gcd, simgcd, selex) sections is checked when
+the config loads: one bad value per key fails with a one-line ConfigError that starts with the key's dotted name, one
+good value loads. The keys come from the dataclasses, so a new setting without a case here (and a check in
+config_checks.py) fails."""
 
 import dataclasses
 import json
@@ -9,12 +10,16 @@ import pytest
 
 from infosieve_fast import cli
 from infosieve_fast.config.settings import (
+    METHOD_SECTIONS,
     ConfigError,
+    GCDConfig,
     KMeansConfig,
     LossConfig,
     ModelConfig,
     OptimConfig,
     ScheduleConfig,
+    SelExConfig,
+    SimGCDConfig,
     load_config,
 )
 
@@ -24,6 +29,9 @@ SECTIONS = {
     "optim": OptimConfig,
     "schedule": ScheduleConfig,
     "kmeans": KMeansConfig,
+    "gcd": GCDConfig,
+    "simgcd": SimGCDConfig,
+    "selex": SelExConfig,
 }
 KEYS = [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
@@ -81,12 +89,32 @@ CASES = {
     "kmeans.n_clusters": (1, "auto"),
     "kmeans.cluster_size": (0, 50),
     "kmeans.freeze_labelled_centers": ("always", True),
+    "gcd.sup_con_weight": (1.5, 0.5),
+    "gcd.temperature": (0.0, 0.5),
+    "gcd.supcon_temperature": (-0.07, 0.1),
+    "simgcd.memax_weight": (-1.0, 4.0),
+    "simgcd.sup_weight": (1.1, 0.5),
+    "simgcd.student_temperature": (0.0, 0.2),
+    "simgcd.warmup_teacher_temperature": (0.0, 0.05),
+    "simgcd.teacher_temperature": (-0.04, 0.05),
+    "simgcd.warmup_teacher_epochs": (0, 10),
+    "simgcd.temperature": (0.0, 0.5),
+    "simgcd.supcon_temperature": (0.0, 0.1),
+    "selex.smoothing": (1.5, 0.5),
+    "selex.sup_con_weight": (-0.1, 0.5),
+    "selex.temperature": (0.0, 0.5),
+    "selex.supcon_temperature": (0.0, 0.1),
+    "selex.cluster_momentum": (1.5, 0.9),
+    "selex.batch_features": ("whitened", "normalized"),
+    "selex.level_order": ("sorted", "uq"),
 }
 
 
-def override(key: str, value) -> str:
-    """`--set key=value` as typed on the command line (JSON is YAML; NaN and Infinity are read as floats)."""
-    return f"{key}={json.dumps(value)}"
+def override(key: str, value) -> list[str]:
+    """`--set key=value` as typed on the command line (JSON is YAML; NaN and Infinity are read as floats), after
+    `method=<the section>` for a method's own setting."""
+    section = key.split(".")[0]
+    return [f"method={section}"] * (section in METHOD_SECTIONS) + [f"{key}={json.dumps(value)}"]
 
 
 def test_every_setting_has_a_case():
@@ -97,7 +125,7 @@ def test_every_setting_has_a_case():
 def test_a_bad_value_fails_at_load_naming_the_key(key):
     assert key in CASES, f"{key}: add a bad and a good value to CASES and a check in config_checks.py"
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override(key, CASES[key][0])])
+        load_config(None, override(key, CASES[key][0]))
     message = str(err.value)
     assert message.startswith(key + " ") or message.startswith(key + "."), message
     assert "\n" not in message
@@ -107,7 +135,7 @@ def test_a_bad_value_fails_at_load_naming_the_key(key):
 def test_a_good_value_loads(key):
     good = CASES[key][1]
     assert good != getattr(SECTIONS[key.split(".")[0]](), key.split(".")[1])  # not the default: the value is read
-    cfg = load_config(None, [override(key, good)])
+    cfg = load_config(None, override(key, good))
     section, name = key.split(".")
     assert getattr(getattr(cfg, section), name) == good
 

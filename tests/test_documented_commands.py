@@ -68,7 +68,7 @@ DATASETS = "(cub|scars|aircraft|pets|herbarium19|cifar10|cifar100|imagenet100|im
 PLAN = [
     Entry(r"python3 -m venv .*|pip install .*", "ci", "the install: CI runs the README's install command"),
     Entry(r"pytest", "ci", "the tests: CI runs them"),
-    Entry(r"infosieve train --config configs/demo\.yaml( --out \S+)?( --set \S+)*", "run"),
+    Entry(r"infosieve train --config configs/demo(-gcd|-simgcd|-selex)?\.yaml( --out \S+)?( --set \S+)*", "run"),
     Entry(r"infosieve train --resume \S+", "run"),
     Entry(
         r"infosieve estimate-k --run \S+ --json benchmarks/results/\S+",
@@ -114,7 +114,7 @@ PLAN = [
         "parse",
         "needs your own images (tests/test_discovery.py trains this config on a folder of real birds it builds)",
     ),
-    Entry(r"infosieve sweep --config configs/demo\.yaml .*", "run"),
+    Entry(r"infosieve sweep --config configs/demo(-gcd|-simgcd|-selex)?\.yaml .*", "run"),
     Entry(r"infosieve compare SWEEP RUN --out \S+ --json \S+", "run"),
     Entry(
         rf"infosieve sweep --config configs/(dinov2-)?{DATASETS}\.yaml .*",

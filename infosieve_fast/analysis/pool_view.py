@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..evaluation.code_metrics import require_codes
 from ..evaluation.tree import code_strings
 
 
@@ -35,6 +36,7 @@ def pool_view(trainer, centers: Tensor, clusters: dict[int, int]) -> PoolView:
     """`trainer`'s test-view pass over the train samples: backbone features (L2-normalised, as SS-k-means sees them)
     measured against `centers` for the samples `clusters` assigns ({uq: cluster}), and every sample's code."""
     model, length = trainer.model, trainer.cfg.model.code_length
+    require_codes(model)
 
     def embed(x: Tensor) -> Tensor:
         out = model(x)

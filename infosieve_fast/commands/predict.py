@@ -22,6 +22,8 @@ code, prefix and tree_path:
 - code: the L sign bits;
 - prefix: the code cut at the first bit the mask switches off;
 - tree_path: the prefix's nodes in the implicit category tree, from depth 1 down to the prefix.
+A run of a method without codes (`method:` other than infosieve) writes an empty code, prefix and tree_path; one
+whose method predicts by its head (SimGCD) has the head's prototypes as its centres, so the nearest is its prediction.
 
 Images that cannot be read are reported and skipped; so are the files of an image folder that are not images (by
 their suffix, the list make-shards reads: `data/shard_format.py`), counted in the summary.
@@ -30,6 +32,7 @@ their suffix, the list make-shards reads: `data/shard_format.py`), counted in th
 from __future__ import annotations
 
 import csv
+import dataclasses
 import glob
 import json
 import sys
@@ -61,7 +64,7 @@ from ..evaluation.discovery import cluster_name
 from ..evaluation.tree import code_strings
 from ..network.model import InfoSieve
 from ..training.run_source import run_config
-from ..training.trainer_setup import resolve_device
+from ..training.trainer_setup import build_method, build_model, resolve_device
 
 OUTPUT_SUFFIXES = (".jsonl", ".csv")
 FIELDS = ("path", "cluster", "name", "margin", "code", "prefix", "tree_path")
@@ -72,8 +75,11 @@ def model_from_run(run_dir: str | Path, device: torch.device, checkpoint: str = 
     `model.pretrained`: the weights come from the checkpoint), in eval mode, and the checkpoint."""
     state, _ = load_run_checkpoint(run_dir, checkpoint)
     cfg = run_config(state["config"], run_dir, reads_data=checkpoint == "best")  # the best's centres read the data
-    cfg.model.pretrained = None
-    model = InfoSieve(cfg.model, state["n_old"])
+    # the backbone in full precision, whole (an inference model: no bf16 prefix, no recomputation), with the method's
+    # heads and its labeller or not
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, frozen_bf16=False, checkpoint_blocks="off"))
+    method, n_old = build_method(cfg, state["n_old"]), state["n_old"]
+    model = build_model(cfg, n_old, None, False, method, state.get("n_clusters"))
     model.load_state_dict(state["model"])
     return model.to(device).eval(), state
 
@@ -282,7 +288,7 @@ class ImageSorter:
         cfg = from_saved(state["config"])
         d = cfg.data
         self.model, self.centers, self.assignments = model, centers, assignments
-        self.names, self.n_old = state.get("class_names") or [], model.labeller.categorizer[-1].out_features
+        self.names, self.n_old = state.get("class_names") or [], state["n_old"]
         self.given = given
         self.augment = DeviceAugment(AugmentConfig(d.crop_size, False, tuple(d.mean), tuple(d.std)))
         self.shorter = int(d.crop_size / 0.875)  # the reference: Resize(int(224 / 0.875)) = 256, then CenterCrop(224)
@@ -318,6 +324,8 @@ def sort_batch(model: InfoSieve, x: Tensor, centers: Tensor) -> tuple[list, list
     feats = torch.nn.functional.normalize(out.backbone.float(), dim=-1)
     two = torch.cdist(feats, centers).topk(min(2, len(centers)), dim=1, largest=False)
     margins = (two.values[:, -1] - two.values[:, 0]).cpu().tolist()
+    if out.head is None:  # a method without codes
+        return two.indices[:, 0].cpu().tolist(), margins, [""] * len(margins), [""] * len(margins)
     raw, mask = out.head.code_raw.float(), out.head.mask.float()
     return two.indices[:, 0].cpu().tolist(), margins, code_strings(raw, torch.ones_like(mask)), code_strings(raw, mask)
 

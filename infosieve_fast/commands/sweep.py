@@ -40,6 +40,7 @@ from ..analysis import run_reader
 from ..analysis.run_results import PARTS, TREE, format_spread, markdown_table, read_run, saved_tree, summarise_runs
 from ..common.files import write_json
 from ..config.settings import Config, apply_overrides, config_drift, from_dict, from_saved, load_config
+from ..methods import METHODS
 from ..training import run_files, run_folder
 from ..training.preemption import PREEMPTED_EXIT, Preempted, StopSignals
 
@@ -184,12 +185,17 @@ def run_dir(sweep_dir: Path, run: dict) -> Path:
 
 
 def is_done(sweep_dir: Path, run: dict) -> bool:
-    """Trained, evaluated (metrics.json) and its last checkpoint's codes measured (a tree.json that is not stale)."""
+    """Trained, evaluated (metrics.json) and, for a method with codes, its last checkpoint's codes measured (a
+    tree.json that is not stale)."""
     folder = run_dir(sweep_dir, run)
     return (folder / run_files.METRICS).is_file() and has_current_tree(folder)
 
 
 def has_current_tree(folder: Path) -> bool:
+    """Whether the run's codes are measured: a tree.json that is not stale, or none to make (its method learns no
+    codes)."""
+    if not METHODS[load_config(folder / run_files.CONFIG, saved=True).method].labeller:
+        return True
     return (folder / TREE).is_file() and saved_tree(folder)[0] is not None
 
 

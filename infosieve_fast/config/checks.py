@@ -5,6 +5,7 @@ numeric setting (`RANGES`), and the rules that tie settings together (`check_rul
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import re
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
     from .settings import Config
 
 CHOICES = {
+    "method": ("infosieve", "gcd", "simgcd", "selex"),  # infosieve_fast/methods/'s METHODS
+    "selex.batch_features": ("raw", "normalized"),
+    "selex.level_order": ("published", "uq"),
     "loss.length_weights": ("stale", "current"),
     "loss.sup_code_input": ("code", "trunc_code"),
     "loss.code_constraint": ("reference", "paper"),
@@ -141,6 +145,22 @@ RANGES = {
     "checkpoint.holdout_fraction": Range(0.0, 1.0, open_low=True, open_high=True),
     "checkpoint.holdout_seed": _SEED,
     "checkpoint.keep_last": Range(1, null="only the last checkpoint (and the best one)"),
+    "gcd.sup_con_weight": _SHARE,
+    "gcd.temperature": _POSITIVE,
+    "gcd.supcon_temperature": _POSITIVE,
+    "simgcd.memax_weight": Range(0.0),
+    "simgcd.sup_weight": _SHARE,
+    "simgcd.student_temperature": _POSITIVE,
+    "simgcd.warmup_teacher_temperature": _POSITIVE,
+    "simgcd.teacher_temperature": _POSITIVE,
+    "simgcd.warmup_teacher_epochs": _SIZE,
+    "simgcd.temperature": _POSITIVE,
+    "simgcd.supcon_temperature": _POSITIVE,
+    "selex.smoothing": _SHARE,
+    "selex.sup_con_weight": _SHARE,
+    "selex.temperature": _POSITIVE,
+    "selex.supcon_temperature": _POSITIVE,
+    "selex.cluster_momentum": _SHARE,
 }
 
 
@@ -182,6 +202,7 @@ def check_rules(cfg: Config) -> None:
             size, crop = d.image_size, cfg.data.crop_size
             raise ConfigError(f"data.digits.image_size ({size}) must be >= data.crop_size ({crop}): raise it")
     _check_pins(cfg.data.intake.sha256)
+    _check_method_sections(cfg)
     if cfg.data.resize is not None and cfg.data.resize < cfg.data.crop_size:
         size, crop = cfg.data.resize, cfg.data.crop_size
         raise ConfigError(f"data.resize ({size}) must be >= data.crop_size ({crop}): the crops lie inside the image")
@@ -206,6 +227,20 @@ def check_clusters_for_known(n_clusters: int | str | None, n_old: int) -> None:
             f"kmeans.n_clusters={n_clusters} is fewer than the data's {n_old} known classes, each of which needs its "
             f"own cluster: set kmeans.n_clusters >= {n_old} (above it to leave clusters for new categories), or auto"
         )
+
+
+def _check_method_sections(cfg: Config) -> None:
+    """A method's own section (gcd, simgcd, selex) changed while another method trains would be silently unused."""
+    from .settings import METHOD_SECTIONS
+
+    for section in METHOD_SECTIONS:
+        value = getattr(cfg, section)
+        changed = [f.name for f in dataclasses.fields(value) if getattr(value, f.name) != f.default]
+        if section != cfg.method and changed:
+            raise ConfigError(
+                f"{section}.{changed[0]} is a setting of method {section}, but this config trains method "
+                f"{cfg.method}: set method={section}, or drop the {section}.* settings"
+            )
 
 
 def _check_normalisation(mean: list, std: list) -> None:

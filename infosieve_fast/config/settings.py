@@ -72,6 +72,50 @@ class LossConfig:
 
 
 @dataclass
+class GCDConfig:
+    """`method: gcd` (docs/reference.md §12.1): InfoNCE and ground-truth SupCon on the cosine projection."""
+
+    sup_con_weight: float = 0.35  # lambda: (1 - lambda) InfoNCE + lambda SupCon
+    temperature: float = 1.0  # InfoNCE T
+    supcon_temperature: float = 0.07  # SupCon tau (= base temperature)
+
+
+@dataclass
+class SimGCDConfig:
+    """`method: simgcd` (docs/reference.md §12.2); defaults are the published train.py's. Its scripts set
+    memax_weight 2 for CUB, 4 for CIFAR-100 and 1 elsewhere."""
+
+    memax_weight: float = 2.0  # the mean-entropy regulariser's weight
+    sup_weight: float = 0.35  # lambda of the supervised terms (cross-entropy, SupCon)
+    student_temperature: float = 0.1
+    warmup_teacher_temperature: float = 0.07  # the teacher's temperature at epoch 0 ...
+    teacher_temperature: float = 0.04  # ... falling linearly to this over the warm-up epochs
+    warmup_teacher_epochs: int = 30
+    temperature: float = 1.0  # InfoNCE T
+    supcon_temperature: float = 0.07  # SupCon tau
+
+
+@dataclass
+class SelExConfig:
+    """`method: selex` (docs/reference.md §12.3). Its scripts set smoothing 1.0 for CUB and Cars, 0.5 for Aircraft and
+    Pets, 0.1 for generic data."""
+
+    smoothing: float = 1.0  # the soft targets' share of the InfoNCE target
+    sup_con_weight: float = 0.35
+    temperature: float = 1.0
+    supcon_temperature: float = 0.07
+    cluster_momentum: float = 1.0  # per-step update of the cluster radii (1: kept as computed each epoch, published)
+    # the batch's backbone features the radii are compared with: "raw" (published) | "normalized" (as the centres')
+    batch_features: str = "raw"
+    # how a level >= 1's labels reach the samples: "published" (read in the wrong order, docs/reference.md §12.3
+    # surprise 4) | "uq" (each sample its own)
+    level_order: str = "published"
+
+
+METHOD_SECTIONS = ("gcd", "simgcd", "selex")  # each method's own settings section, named as its `method:` value
+
+
+@dataclass
 class OptimConfig:
     name: str = "sgd"  # "sgd" | "adamw"
     lr: float = 0.1
@@ -231,6 +275,9 @@ class CheckpointConfig:
 @dataclass
 class Config:
     name: str = "infosieve"
+    # the GCD method trained (infosieve_fast/methods/): "infosieve" | "gcd" | "simgcd" | "selex"; each of the last three
+    # reads its own section below (and a section of another method left at its defaults)
+    method: str = "infosieve"
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -239,6 +286,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    gcd: GCDConfig = field(default_factory=GCDConfig)
+    simgcd: SimGCDConfig = field(default_factory=SimGCDConfig)
+    selex: SelExConfig = field(default_factory=SelExConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

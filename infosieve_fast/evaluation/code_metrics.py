@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..common.labels import NO_LABEL
 
@@ -106,9 +106,19 @@ def code_measures(code_raw: Tensor, mask: Tensor, targets: Tensor, depths=DEPTHS
     return out
 
 
+def require_codes(model: nn.Module) -> None:
+    """A one-line refusal where codes are read from a model without InfoSieve's labeller (another `method:`)."""
+    if model.labeller is None:
+        raise ValueError(
+            "this run's method learns no codes (only method=infosieve has the code head): the tree, the code measures "
+            "and the cluster gallery read codes; eval, report and predict work without them"
+        )
+
+
 def code_features(ev: Evaluator) -> FeatureSet:
     """The train samples' `[code_raw | mask]` (test view) as a `FeatureSet` (this rank's share)."""
     model = ev.model
+    require_codes(model)
 
     def embed(x: Tensor) -> Tensor:
         head = model(x).head

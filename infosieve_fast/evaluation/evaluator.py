@@ -228,22 +228,23 @@ class Evaluator:
                 print(f"kmeans.n_clusters=auto: WARNING: {warning}")
         return found["k"]
 
-    def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Clustering:
+    def cluster(self, fs: FeatureSet, seed: int, balanced: bool, n_clusters: int | None = None) -> Clustering:
         """SS-k-means cluster id of every train sample, indexed by uq (complete on every rank), the inertia and the
-        centres."""
+        centres. `n_clusters`: K of this round instead of the run's (`clusters`; then a balanced round's capacity is
+        ceil(N / K), not `kmeans.cluster_size`)."""
         k = self.kmeans
         lab = fs.labelled
         result = semi_supervised_kmeans(
             fs.feats[~lab],
             fs.feats[lab],
             fs.targets[lab],
-            self.clusters(fs),
+            self.clusters(fs) if n_clusters is None else n_clusters,
             n_init=k.n_init,
             max_iter=k.max_iter,
             tol=k.tol,
             balanced=balanced,
             balance=k.balance,
-            cluster_size=k.cluster_size if balanced else None,
+            cluster_size=k.cluster_size if balanced and n_clusters is None else None,
             freeze_labelled_centers=k.freeze_labelled_centers,
             seed=seed,
             backend=k.backend,
@@ -255,6 +256,15 @@ class Evaluator:
         mine[lab.nonzero().squeeze(1)] = labels[:n_lab]
         mine[(~lab).nonzero().squeeze(1)] = labels[n_lab:]
         return Clustering(self.gather_table(fs, mine), float(result.inertia), result.centers.float())
+
+    def assign(self, fs: FeatureSet, centers: Tensor) -> Clustering:
+        """Every train sample of `fs` to the row of `centers` [K, D] (unit rows) with the largest dot product with its
+        feature, its nearest (a head's prediction: `Method.prediction_centres`), as a `Clustering` with those centres;
+        the inertia is the sum of the squared distances to them."""
+        centers = centers.to(self.device).float()
+        labels = (fs.feats @ centers.T).argmax(1)
+        inertia = float(dist.all_reduce_sum((fs.feats - centers[labels]).pow(2).sum()))
+        return Clustering(self.gather_table(fs, labels), inertia, centers)
 
     # -------------------------------------------------------------------------------------------- scoring
     def evaluate(self, fs: FeatureSet) -> Evaluation:
@@ -318,5 +328,6 @@ def epoch_log(ev: Evaluator, full: Evaluation) -> dict:
     out = {"eval": full.metrics}
     if ev.has_test_split():
         out["eval_test"] = ev.evaluate_test(full.clustering.centers)
-    out["eval_codes"] = evaluate_codes(ev)
+    if ev.model.labeller is not None:  # a method with codes
+        out["eval_codes"] = evaluate_codes(ev)
     return out

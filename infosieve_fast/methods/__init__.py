@@ -4,7 +4,7 @@
 (`infosieve.py` adapts it to the interface).
 """
 
-from .base import LABELS, PREDICTIONS, Method, StepTensors
+from .base import LABELS, MODEL_OUTPUT, PREDICTIONS, Method, StepTensors
 from .gcd import GCD
 from .infosieve import InfoSieve
 from .selex import SelEx
@@ -12,4 +12,15 @@ from .simgcd import SimGCD
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (InfoSieve, GCD, SimGCD, SelEx)}
 
-__all__ = ["LABELS", "METHODS", "PREDICTIONS", "GCD", "InfoSieve", "Method", "SelEx", "SimGCD", "StepTensors"]
+__all__ = [
+    "LABELS",
+    "METHODS",
+    "MODEL_OUTPUT",
+    "PREDICTIONS",
+    "GCD",
+    "InfoSieve",
+    "Method",
+    "SelEx",
+    "SimGCD",
+    "StepTensors",
+]

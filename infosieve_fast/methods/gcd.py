@@ -6,16 +6,23 @@ SS-k-means on backbone features, as for InfoSieve.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..config.settings import Config
 from .base import Method, StepTensors
 from .contrastive import cosine_info_nce, cosine_supcon, labelled_rows
 
 
 class GCD(Method):
     name, labels, predicts = "gcd", "none", "kmeans"
+
+    @classmethod
+    def from_config(cls, cfg: Config, n_old: int) -> GCD:
+        return cls(**dataclasses.asdict(cfg.gcd))
 
     def __init__(self, sup_con_weight: float = 0.35, temperature: float = 1.0, supcon_temperature: float = 0.07):
         super().__init__()

@@ -11,6 +11,7 @@ InfoNCE runs in PyTorch: the fused InfoNCE kernel's target is the positive plus 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -20,8 +21,10 @@ from torch import Tensor
 import infosieve_kernels as kernels
 from infosieve_kernels.reference import contrastive_logits, pairwise_distances
 
+from ..config.settings import Config
 from .base import Method, StepTensors
 from .contrastive import labelled_rows
+from .selex_hierarchy import LEVEL_ORDERS, ClusterFn, build_hierarchy
 
 # The batch's backbone features the confusion matrix compares with the cluster radii: "raw", as the backbone returns
 # them (published, while the centres are centres of L2-normalised features), or "normalized", as the centres' own.
@@ -41,6 +44,10 @@ def cluster_radii(centres: Tensor) -> Tensor:
 class SelEx(Method):
     name, labels, predicts = "selex", "hierarchy", "kmeans"
 
+    @classmethod
+    def from_config(cls, cfg: Config, n_old: int) -> SelEx:
+        return cls(**dataclasses.asdict(cfg.selex), backend=cfg.train.kernels)
+
     def __init__(
         self,
         smoothing: float = 1.0,
@@ -49,19 +56,36 @@ class SelEx(Method):
         supcon_temperature: float = 0.07,
         cluster_momentum: float = 1.0,
         batch_features: str = "raw",
+        level_order: str = "published",
         backend: str = "auto",
     ):
         super().__init__()
         if batch_features not in BATCH_FEATURES:
             raise ValueError(f"batch_features={batch_features!r} is not one of {BATCH_FEATURES}")
+        if level_order not in LEVEL_ORDERS:
+            raise ValueError(f"level_order={level_order!r} is not one of {LEVEL_ORDERS}")
         if not 0.0 <= cluster_momentum <= 1.0:
             raise ValueError(f"cluster_momentum must be in [0, 1], got {cluster_momentum}")
         self.smoothing, self.sup_con_weight, self.temperature = smoothing, sup_con_weight, temperature
         self.supcon_temperature, self.cluster_momentum = supcon_temperature, cluster_momentum
-        self.batch_features, self.backend = batch_features, backend
+        self.batch_features, self.level_order, self.backend = batch_features, level_order, backend
         # the epoch's hierarchy, padded to the widest level: centres [levels, K_0, F], radii [levels, K_0]
         self.register_buffer("centres", torch.zeros(0, 0, 0), persistent=False)
         self.register_buffer("radii", torch.zeros(0, 0), persistent=False)
+
+    def label_levels(self, labels: Tensor, centres: Tensor, labelled: Tensor, n_old: int, cluster: ClusterFn) -> Tensor:
+        """The epoch's hierarchy (`selex_hierarchy.build_hierarchy`, `level_order` as set): its labels, and its
+        centres kept (`set_hierarchy`)."""
+        tables, level_centres = build_hierarchy(labels, centres, labelled, n_old, cluster, self.level_order)
+        self.set_hierarchy(level_centres)
+        return tables
+
+    def step_state(self) -> dict[str, Tensor]:
+        """The levels' centres and radii (the radii move every step when cluster_momentum < 1)."""
+        return {"centres": self.centres.cpu(), "radii": self.radii.cpu()}
+
+    def load_step_state(self, state: dict[str, Tensor]) -> None:
+        self.centres, self.radii = state["centres"].to(self.radii.device), state["radii"].to(self.radii.device)
 
     def set_hierarchy(self, centres: Sequence[Tensor]) -> None:
         """This epoch's levels, finest first: `centres[i]` [K_i, F] the level-i SS-k-means centres. Resets the radii

@@ -7,12 +7,14 @@ The prediction is the prototype head's argmax, so the method needs no per-epoch 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config.settings import Config
 from ..network.model import WeightNormLinear
 from .base import Method, StepTensors
 from .contrastive import cosine_info_nce, cosine_supcon, labelled_rows
@@ -46,6 +48,13 @@ def teacher_temperature(epoch: int, warmup: float = 0.07, final: float = 0.04, w
 
 class SimGCD(Method):
     name, labels, predicts = "simgcd", "none", "head"
+    # the projection is the head MLP's 256-d output (SimGCD's DINOHead returns it beside the prototype logits), and the
+    # published optimiser groups biases and 1-D parameters without weight decay (`get_params_groups`)
+    projection_last_layer, decay_on_1d = False, False
+
+    @classmethod
+    def from_config(cls, cfg: Config, n_old: int) -> SimGCD:
+        return cls(**dataclasses.asdict(cfg.simgcd))
 
     def __init__(
         self,
@@ -74,6 +83,12 @@ class SimGCD(Method):
 
     def set_epoch(self, epoch: int) -> None:
         self.teacher_temperature.fill_(teacher_temperature(epoch, *self.schedule))
+
+    def prediction_centres(self, heads: nn.ModuleDict) -> Tensor:
+        """The prototypes' unit rows: argmax of cos(feature, prototype) is the nearest row to the normalised
+        feature."""
+        layer = heads[HEAD].last_layer
+        return F.normalize(torch._weight_norm(layer.weight_v, layer.weight_g, 0).detach().float(), dim=-1)
 
     def forward(self, step: StepTensors) -> tuple[Tensor, dict[str, Tensor]]:
         with torch.autocast(step.projection.device.type, enabled=False):

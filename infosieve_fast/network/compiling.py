@@ -63,8 +63,9 @@ class CompileOutcome:
 
 def compiled_modules(model: nn.Module) -> list[nn.Module]:
     """What `train.compile` compiles: every backbone block (frozen and trained blocks share one graph; they differ
-    only in grad mode) and the projection head. Compiled in place, so state-dict keys do not change."""
-    return [*getattr(model.backbone.net, "blocks", []), model.projection]
+    only in grad mode), the projection head and the method's own heads. Compiled in place, so state-dict keys do not
+    change."""
+    return [*getattr(model.backbone.net, "blocks", []), model.projection, *model.method_heads.values()]
 
 
 def compiles(setting: str, device: torch.device) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import timm
@@ -321,15 +321,18 @@ class WeightNormLinear(nn.Module):
 
 
 class ProjectionHead(nn.Module):
-    """GCD's DINOHead: MLP to the bottleneck, L2-normalise, weight-normed last layer (docs/reference.md §2.2)."""
+    """GCD's DINOHead: MLP to the bottleneck, L2-normalise, weight-normed last layer (docs/reference.md §2.2).
+    `out_dim=None`: no last layer, the output is the MLP's (SimGCD's projection)."""
 
-    def __init__(self, in_dim: int, hidden_dim: int, bottleneck_dim: int, out_dim: int, n_layers: int = 3):
+    def __init__(self, in_dim: int, hidden_dim: int, bottleneck_dim: int, out_dim: int | None, n_layers: int = 3):
         super().__init__()
         self.mlp = mlp(in_dim, hidden_dim, bottleneck_dim, n_layers - 2)
         self.mlp.apply(trunc_normal_init)
-        self.last_layer = WeightNormLinear(bottleneck_dim, out_dim)
+        self.last_layer = WeightNormLinear(bottleneck_dim, out_dim) if out_dim is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.last_layer is None:
+            return self.mlp(x)
         return self.last_layer(F.normalize(self.mlp(x), dim=-1))
 
 
@@ -372,9 +375,11 @@ class Labeller(nn.Module):
 class ModelOutput:
     backbone: Tensor  # [N, feat_dim] CLS features (what k-means clusters after L2 normalisation)
     projection: Tensor  # [N, proj_out_dim] L2-normalised projection (the input contrastive loss's features)
-    code_feat: Tensor  # [N, L] coder pre-activation
-    head: kernels.CodeHead  # code_raw, mask, code, trunc_code and the code/mask/length terms
-    category_logits: Tensor  # [N, n_old] categorizer(trunc_code)
+    # the labeller's outputs (None for a model built without it: a method other than InfoSieve)
+    code_feat: Tensor | None  # [N, L] coder pre-activation
+    head: kernels.CodeHead | None  # code_raw, mask, code, trunc_code and the code/mask/length terms
+    category_logits: Tensor | None  # [N, n_old] categorizer(trunc_code)
+    heads: dict[str, Tensor] = field(default_factory=dict)  # the method's own heads' outputs on `backbone`, by name
 
 
 class InfoSieve(nn.Module):
@@ -387,7 +392,13 @@ class InfoSieve(nn.Module):
         checkpoint_trained: str = "off",
         kernel_backend: str = "auto",
         labeller_grad_stop: str = "none",
+        *,
+        labeller: bool = True,
+        projection_last_layer: bool = True,
     ):
+        """`labeller` and `projection_last_layer` say what the run's method builds (`methods.Method`): without the
+        labeller the forward returns no codes. `method_heads`, the method's own heads on the backbone features
+        (`ModelOutput.heads`), are set by `training.trainer_setup.build_model`."""
         super().__init__()
         if backbone is None:
             backbone = build_backbone(cfg, frozen_bf16=frozen_bf16, checkpoint_trained=checkpoint_trained)
@@ -397,10 +408,16 @@ class InfoSieve(nn.Module):
                 "backbone pass them to Backbone(...) yourself"
             )
         self.backbone = backbone
+        out_dim = cfg.proj_out_dim if projection_last_layer else None
         self.projection = ProjectionHead(
-            self.backbone.feat_dim, cfg.proj_hidden_dim, cfg.proj_bottleneck_dim, cfg.proj_out_dim, cfg.proj_layers
+            self.backbone.feat_dim, cfg.proj_hidden_dim, cfg.proj_bottleneck_dim, out_dim, cfg.proj_layers
         )
-        self.labeller = Labeller(cfg.proj_out_dim, cfg.code_length, n_old, cfg.labeller_hidden_dim, cfg.labeller_layers)
+        self.labeller = (
+            Labeller(cfg.proj_out_dim, cfg.code_length, n_old, cfg.labeller_hidden_dim, cfg.labeller_layers)
+            if labeller
+            else None
+        )
+        self.method_heads = nn.ModuleDict()
         self.kernel_backend = kernel_backend  # train.kernels
         self.labeller_grad_stop = labeller_grad_stop  # loss.labeller_grad_stop
 
@@ -411,8 +428,11 @@ class InfoSieve(nn.Module):
     def forward(self, images: Tensor) -> ModelOutput:
         feats = self.backbone(images)
         projection = F.normalize(self.projection(feats).float(), dim=-1)
+        heads = {name: head(feats) for name, head in self.method_heads.items()}
+        if self.labeller is None:
+            return ModelOutput(feats, projection, None, None, None, heads)
         code_feat, head = self.labeller(self._labeller_input(feats, projection), self.kernel_backend)
-        return ModelOutput(feats, projection, code_feat, head, self.labeller.categorizer(head.trunc_code))
+        return ModelOutput(feats, projection, code_feat, head, self.labeller.categorizer(head.trunc_code), heads)
 
     def _labeller_input(self, feats: Tensor, projection: Tensor) -> Tensor:
         """The projection, cut from the graph where `labeller_grad_stop` says (same values in every case)."""

@@ -11,6 +11,7 @@ table and the same All/Old/New. `data.batch_size` is per rank. `run_folder.py` r
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
@@ -26,6 +27,7 @@ from ..data.reading.augment import AugmentConfig, DeviceAugment
 from ..data.reading.base import Batch, GCDSource
 from ..data.reading.decode import DecodeWindow
 from ..evaluation.evaluator import ClusterCount, Clustering, Evaluation, Evaluator, FeatureSet
+from ..methods import MODEL_OUTPUT, StepTensors
 from ..network.compiling import (
     CompileOutcome,
     check_compile_setting,
@@ -34,7 +36,7 @@ from ..network.compiling import (
     compiles,
     trace_graphs,
 )
-from ..network.loss import InfoSieveLoss, check_labelled_targets
+from ..network.loss import check_labelled_targets
 from ..network.model import Backbone
 from ..network.token_cache import TokenCache
 from . import checkpoint as ckpt
@@ -44,11 +46,13 @@ from .schedule import epoch_schedule
 from .step_graph import GraphedStep, StepInputs, StepOutputs
 from .trainer_setup import (
     autocast_enabled,
+    build_method,
     build_model,
     build_optimizer,
     check_source_fits,
     epoch_seed,
     load_optimizer_state,
+    method_classes,
     resolve_device,
 )
 
@@ -75,12 +79,14 @@ class Trainer:
         if self.device.type == "cuda" and isinstance(self.source, InMemoryGCD):
             self.source = self.source.to(self.device)  # small by definition; batches then never cross the bus
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg, self.source.n_old, backbone, pretrained).to(self.device)
-        self.loss_fn = InfoSieveLoss(cfg.loss, self.source.n_old, backend=cfg.train.kernels)
+        # the method's loss and what it keeps between steps (`methods.Method`); its heads are part of the model
+        self.method = build_method(cfg, self.source.n_old).to(self.device)
+        n_classes = self.source.n_classes
+        self.model = build_model(cfg, self.source.n_old, backbone, pretrained, self.method, n_classes).to(self.device)
         d = cfg.data
         self.augment = DeviceAugment(AugmentConfig(d.crop_size, d.hflip, tuple(d.mean), tuple(d.std), d.color_jitter))
         self.amp = autocast_enabled(cfg.train.amp, self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.method.decay_on_1d)
         check_compile_setting(cfg.train.compile, self.device)
         self.compiled: CompileOutcome | None = None  # set by the first `train_epoch` (evaluation alone stays eager)
         self.step_graph = GraphedStep.for_setting(
@@ -100,6 +106,8 @@ class Trainer:
         # the latest SS-k-means centres [K, D] (CPU): the epoch's pseudo-label round, then the final evaluation's
         self.centers: Tensor | None = None
         self.cluster_count = ClusterCount()  # K, resolved by the first SS-k-means round (kept in checkpoints)
+        if self.method.predicts == "head":  # K is the head's number of outputs
+            self.cluster_count.value = method_classes(cfg, n_classes)
         self.stop: StopSignals | None = None  # asked before every step (run_folder.train sets it)
         self.mid_epoch: MidEpoch | None = None  # a preempted epoch to finish (`load_state_dict`)
         if dist.get_world_size() > 1:
@@ -140,9 +148,13 @@ class Trainer:
         return self.evaluate_full().metrics
 
     def evaluate_full(self) -> Evaluation:
-        """`evaluate`, with the clustering it scored (`Evaluator.evaluate`)."""
+        """`evaluate`, with the clustering it scored (`Evaluator.evaluate`); a method that predicts by its head
+        (`Method.predicts`) is scored on the head's predictions (`Evaluator.assign` to its prediction centres)."""
         fs = self.extract_features("test")
-        return self.evaluator().score_clustering(fs, self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced))
+        ev = self.evaluator()
+        if self.method.predicts == "head":
+            return ev.score_clustering(fs, ev.assign(fs, self.method.prediction_centres(self.model.method_heads)))
+        return ev.score_clustering(fs, self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced))
 
     # ------------------------------------------------------------------------------------------------ training
     def train_epoch(self, epoch: int) -> dict:
@@ -150,7 +162,9 @@ class Trainer:
         start = time.perf_counter()
         sched = epoch_schedule(epoch, cfg.schedule, cfg.optim)
         length_base = 2.0 if cfg.loss.length_weights == "stale" else sched.base
-        self.model.labeller.set_schedule(sched.age, sched.base, length_base)
+        if self.model.labeller is not None:
+            self.model.labeller.set_schedule(sched.age, sched.base, length_base)
+        self.method.set_epoch(epoch)
         for group in self.optimizer.param_groups:
             group["lr"] = sched.lr * group["lr_scale"]
         # the graph's memory (its gradients too) is free for the feature pass; the first step captures the new values
@@ -166,11 +180,14 @@ class Trainer:
             self.unreadable = list(resumed.unreadable)
             self.source.exclude(self.unreadable)
             pseudo, inertia = resumed.pseudo.to(self.device), resumed.inertia
+            self.method.load_step_state(resumed.method)
             features_done = kmeans_done = time.perf_counter()
 
         monitor = self._run_steps(name, epoch, pseudo, resumed)
         if monitor.stopped is not None:
-            raise StoppedMidEpoch(MidEpoch(epoch, monitor.steps, pseudo, inertia, self.unreadable, monitor.stopped))
+            stopped = MidEpoch(epoch, monitor.steps, pseudo, inertia, self.unreadable, monitor.stopped)
+            stopped.method = self.method.step_state()
+            raise StoppedMidEpoch(stopped)
         losses = {f"loss_{k}": v for k, v in monitor.means().items()}
         end = time.perf_counter()  # monitor.check() read the device: the steps have finished
         return {
@@ -192,21 +209,42 @@ class Trainer:
             "seconds_cuda_graph_capture": self.step_graph.seconds_capture,
         }
 
-    def _pseudo_labels(self, name: str, epoch: int) -> tuple[Tensor, float, float, float]:
+    def _pseudo_labels(self, name: str, epoch: int) -> tuple[Tensor, float | None, float, float]:
         """The epoch's feature pass and SS-k-means round: the pseudo-label table, the inertia, and the times each
-        finished; the round's centres become `self.centers`."""
+        finished; the round's centres become `self.centers`. A method that reads no labels (`Method.labels`) skips
+        both: a table of -1 (no label) and no inertia."""
         cfg = self.cfg
+        if self.method.labels == "none":
+            now = time.perf_counter()
+            return torch.full((self.source.n_train,), -1, dtype=torch.long, device=self.device), None, now, now
         status = status_line(f"{name}: feature pass ({self.source.n_train} samples)")
         fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
         check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
         features_done = time.perf_counter()  # the checks above read the device: the feature pass has finished
         status.close()  # each phase its own line, so each line's timer shows that phase's time
         status = status_line(f"{name}: SS-k-means pseudo-labels")
-        clustering = self.cluster(fs, seed=epoch_seed(cfg.train.seed, epoch, 2), balanced=cfg.kmeans.balanced)
+        seed = epoch_seed(cfg.train.seed, epoch, 2)
+        clustering = self.cluster(fs, seed=seed, balanced=cfg.kmeans.balanced)
         self.centers = clustering.centers.cpu()
+        labels = clustering.labels
+        if self.method.labels == "hierarchy":
+            labels = self._label_levels(fs, clustering, seed)
         kmeans_done = time.perf_counter()  # so has the clustering (its inertia is a host float)
         status.close()
-        return clustering.labels, clustering.inertia, features_done, kmeans_done
+        return labels, clustering.inertia, features_done, kmeans_done
+
+    def _label_levels(self, fs: FeatureSet, level0: Clustering, seed: int) -> Tensor:
+        """A "hierarchy" method's labels [levels, n_train] from the epoch's round `level0`: each further level is a
+        round of the same balanced SS-k-means (`seed`) of `fs` with the labelled samples and K the method says."""
+        ev = self.evaluator()
+
+        def cluster(labelled: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tensor]:
+            level_fs = dataclasses.replace(fs, labelled=labelled[fs.uq], targets=targets[fs.uq])
+            result = ev.cluster(level_fs, seed=seed, balanced=self.cfg.kmeans.balanced, n_clusters=k)
+            return result.labels, result.centers
+
+        labelled = ev.gather_table(fs, fs.labelled.long(), fill=0).bool()
+        return self.method.label_levels(level0.labels, level0.centers, labelled, self.source.n_old, cluster)
 
     def _run_steps(self, name: str, epoch: int, pseudo: Tensor, resumed: MidEpoch | None) -> LossMonitor:
         """The epoch's training steps on its pseudo-labels (after `resumed`'s, when it finishes a preempted epoch),
@@ -277,14 +315,17 @@ class Trainer:
         device (the monitor reads the loss later)."""
         batch = batch.to(self.device, non_blocking=True)
         views = self.augment.train_views(batch.images, 2, gen, batch.sizes)
-        inputs = StepInputs(views, batch.targets, batch.labelled, pseudo[batch.uq])
+        inputs = StepInputs(views, batch.targets, batch.labelled, pseudo[..., batch.uq])  # [B], or [levels, B]
         monitor.record(self.step_graph(self._step, inputs, self._baked_host_values()))
 
     def _step(self, inputs: StepInputs) -> StepOutputs:
         """Forward, loss, backward and update on `inputs`; the loss terms (what a CUDA graph records)."""
         with self.autocast():
             out = self.net(inputs.views)
-        total, parts = self.loss_fn(out, inputs.targets, inputs.labelled, inputs.pseudo)
+        heads = {**out.heads, MODEL_OUTPUT: out}
+        pseudo = None if self.method.labels == "none" else inputs.pseudo
+        step = StepTensors(out.backbone, out.projection, inputs.targets, inputs.labelled, pseudo, heads)
+        total, parts = self.method(step)
         self.optimizer.zero_grad(set_to_none=True)
         total.backward()
         self.optimizer.step()
@@ -292,7 +333,8 @@ class Trainer:
 
     def _baked_host_values(self) -> tuple:
         """The host numbers a captured step holds as kernel arguments: the groups' lr and the code head's age."""
-        return (*(group["lr"] for group in self.optimizer.param_groups), self.model.labeller._age)
+        age = () if self.model.labeller is None else (self.model.labeller._age,)
+        return (*(group["lr"] for group in self.optimizer.param_groups), *age)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self, next_epoch: int, before: dict) -> dict:

@@ -22,7 +22,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -107,14 +107,16 @@ class StopSignals:
 class MidEpoch:
     """Where a stopped epoch stands: `step` steps of `epoch` are trained. `pseudo` is the epoch's pseudo-label table
     (by uq), `ranks` one dict per rank: "augment" (its augmentation generator's state), "torch_rng" (bytes), "loss_sums"
-    (the LossMonitor's sums, None before the first step) and "loss_names"."""
+    (the LossMonitor's sums, None before the first step) and "loss_names"; `method` what the method keeps between
+    steps (`Method.step_state`)."""
 
     epoch: int
     step: int
     pseudo: Tensor
-    inertia: float
+    inertia: float | None
     unreadable: list[int]
     ranks: list[dict]
+    method: dict[str, Tensor] = field(default_factory=dict)
 
     def to_state(self) -> dict:
         """The checkpoint's `mid_epoch` entry (tensors, numbers, bytes, lists: readable with weights_only)."""
@@ -125,6 +127,7 @@ class MidEpoch:
             "inertia": self.inertia,
             "unreadable": list(self.unreadable),
             "ranks": self.ranks,
+            "method": {name: t.cpu() for name, t in self.method.items()},
         }
 
     @classmethod
@@ -135,7 +138,8 @@ class MidEpoch:
                 f"the checkpoint stopped mid-epoch with {len(ranks)} rank(s) and this run has "
                 f"{dist.get_world_size()}: resume it with {len(ranks)} (each rank's augmentation stream is saved)"
             )
-        return cls(state["epoch"], state["step"], state["pseudo"], state["inertia"], state["unreadable"], ranks)
+        method = state.get("method", {})  # absent from checkpoints written before methods kept any
+        return cls(state["epoch"], state["step"], state["pseudo"], state["inertia"], state["unreadable"], ranks, method)
 
     def rank_state(self) -> dict:
         return self.ranks[dist.get_rank()]

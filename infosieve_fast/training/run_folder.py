@@ -33,6 +33,7 @@ from ..data.shard_format import DISCOVERY
 from ..data.shard_manifest import run_manifest
 from ..evaluation.discovery import PREDICTIONS, nothing_new, novel_pool_images
 from ..evaluation.evaluator import epoch_log
+from ..methods import METHODS
 from ..network.model import Backbone
 from . import checkpoint as ckpt
 from . import fingerprint
@@ -159,7 +160,7 @@ def train_from(
             )
         seconds, resumed_at = time.perf_counter() - started, None if state is None else start
         test_split = trainer.evaluator().has_test_split()
-        print_finished(run_dir, seconds, resumed_at, cfg.schedule.epochs, test_split, cfg.data.shards)
+        print_finished(run_dir, seconds, resumed_at, cfg, test_split)
     dist.barrier()
     return metrics
 
@@ -270,7 +271,7 @@ def finished_result(cfg: Config, run_dir: Path) -> dict:
     """A resume of a run that has finished and changes nothing: its metrics.json, nothing reruns."""
     if dist.is_main_process():
         print(f"{run_dir} already finished its {cfg.schedule.epochs} epochs; its result is in {run_dir / METRICS}")
-        print_next_steps(run_dir, shards=cfg.data.shards)
+        print_next_steps(run_dir, shards=cfg.data.shards, codes=METHODS[cfg.method].labeller)
     return json.loads((run_dir / METRICS).read_text())
 
 
@@ -479,17 +480,15 @@ def print_table(metrics: dict[str, dict[str, float | None]], protocol: str) -> N
         print(f"{name:<16}" + "".join("     n/a" if m[p] is None else f"{m[p]:>8.4f}" for p in ("all", "old", "new")))
 
 
-def print_finished(
-    run_dir: Path, seconds: float, resumed_at: int | None, epochs: int, test_split: bool, shards: str | None = None
-) -> None:
+def print_finished(run_dir: Path, seconds: float, resumed_at: int | None, cfg: Config, test_split: bool) -> None:
     """The session's time and the way on; `resumed_at`: the epoch this session started at (None: a new run);
-    `test_split`: whether the run's data has a test split to score; `shards`: the run's `data.shards`."""
+    `test_split`: whether the run's data has a test split to score."""
     session = ""
     if resumed_at is not None:
-        at = "for the final evaluation" if resumed_at >= epochs else f"at epoch {resumed_at + 1}"
+        at = "for the final evaluation" if resumed_at >= cfg.schedule.epochs else f"at epoch {resumed_at + 1}"
         session = f" (this session, resumed {at})"
     print(f"\nfinished in {format_duration(seconds)}{session}; run folder: {run_dir}")
-    print_next_steps(run_dir, test_split, shards)
+    print_next_steps(run_dir, test_split, cfg.data.shards, METHODS[cfg.method].labeller)
 
 
 def format_duration(seconds: float) -> str:
@@ -498,15 +497,16 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def print_next_steps(run_dir: Path, test_split: bool = False, shards: str | None = None) -> None:
-    """The commands that read the run; `--split test` only where the run's data has a test split; on your own images
-    (`shards` made by `make-shards --dataset discovery`) also predict, name and export
-    (`own_images_steps`)."""
+def print_next_steps(run_dir: Path, test_split: bool = False, shards: str | None = None, codes: bool = True) -> None:
+    """The commands that read the run; `--split test` only where the run's data has a test split; the tree only where
+    the run's method learns `codes`; on your own images (`shards` made by `make-shards --dataset discovery`) also
+    predict, name and export (`own_images_steps`)."""
     run = shlex.quote(str(run_dir))
     print("next:")
     test = " (--split test: the held-out split)" if test_split else ""
     print(f"  infosieve eval --run {run}     # All/Old/New from the checkpoint{test}")
-    print(f"  infosieve tree --run {run}     # the category tree of the learned codes")
+    if codes:
+        print(f"  infosieve tree --run {run}     # the category tree of the learned codes")
     print(f"  infosieve report --run {run}   # report.html: losses, schedules, accuracy, confusion, the tree")
     for line in own_images_steps(run_dir, shards):
         print(f"  {line}")

@@ -16,6 +16,7 @@ from ..config.settings import Config, ConfigError
 from ..data.reading.base import GCDSource
 from ..data.reading.stream import FOREIGN
 from ..data.splits import EXPECTED_COUNTS
+from ..methods import METHODS, Method
 from ..network.model import Backbone, InfoSieve
 
 
@@ -58,11 +59,15 @@ def epoch_seed(seed: int, epoch: int, stream: int) -> int:
     return (seed * 1_000_003 + epoch * 101 + stream) % (2**63)
 
 
-def build_optimizer(model: torch.nn.Module, o, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, o, device: torch.device, decay_on_1d: bool = True) -> torch.optim.Optimizer:
     """SGD or AdamW over the trainable parameters; one fused kernel per step on CUDA (same update, fewer launches),
-    the foreach implementation elsewhere. Each parameter group's `lr_scale` is its share of the scheduled lr."""
+    the foreach implementation elsewhere. Each parameter group's `lr_scale` is its share of the scheduled lr.
+    `decay_on_1d=False` (the method's `Method.decay_on_1d`): biases and 1-D parameters in groups of their own without
+    weight decay."""
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
     groups = parameter_groups(model, o.backbone_lr_scale)
+    if not decay_on_1d:
+        groups = [part for group in groups for part in without_decay_on_1d(model, group)]
     for group in groups:
         group["lr"] = o.lr * group["lr_scale"]
     if o.name == "sgd":
@@ -84,6 +89,15 @@ def parameter_groups(model: torch.nn.Module, backbone_lr_scale: float) -> list[d
     return [g for g in groups if g["params"]]
 
 
+def without_decay_on_1d(model: torch.nn.Module, group: dict) -> list[dict]:
+    """`group` split as SimGCD's `get_params_groups`: the parameters named `*.bias` or of one dimension with
+    weight_decay 0, the others as they were (an empty part dropped)."""
+    exempt = {id(p) for name, p in model.named_parameters() if name.endswith(".bias") or p.dim() == 1}
+    decayed = {**group, "params": [p for p in group["params"] if id(p) not in exempt]}
+    free = {**group, "params": [p for p in group["params"] if id(p) in exempt], "weight_decay": 0.0}
+    return [g for g in (decayed, free) if g["params"]]
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """A checkpoint's optimizer state into `optimizer`, whose groups' `lr_scale` (this config's) are kept: checkpoints
     written before `optim.backbone_lr_scale` existed have none."""
@@ -99,14 +113,49 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
         group["lr_scale"] = scale
 
 
-def build_model(cfg: Config, n_old: int, backbone: Backbone | None, pretrained: bool) -> InfoSieve:
-    """The InfoSieve of `cfg`: `model`, train.frozen_bf16 / checkpoint_blocks / kernels, loss.labeller_grad_stop.
-    `pretrained=False` builds the backbone without `model.pretrained`, for a model a checkpoint fills (it holds every
-    weight, and the file may have moved since)."""
+def build_method(cfg: Config, n_old: int) -> Method:
+    """The loss of `cfg`'s `method:` (infosieve_fast/methods/)."""
+    return METHODS[cfg.method].from_config(cfg, n_old)
+
+
+def method_classes(cfg: Config, n_classes: int | None) -> int:
+    """The number of classes a method's heads predict (SimGCD's prototypes): kmeans.n_clusters when a number, else
+    the data's `n_classes`."""
+    k = cfg.kmeans.n_clusters
+    if isinstance(k, int):
+        return k
+    if n_classes is None or k == "auto":
+        raise ConfigError(
+            f"method={cfg.method} predicts with a head of one output per class, so it needs the number of classes "
+            f"before training; kmeans.n_clusters={k} does not give it: set kmeans.n_clusters to a number"
+        )
+    return n_classes
+
+
+def build_model(
+    cfg: Config, n_old: int, backbone: Backbone | None, pretrained: bool, method: Method, n_classes: int | None
+) -> InfoSieve:
+    """The model of `cfg`: `model`, train.frozen_bf16 / checkpoint_blocks / kernels, loss.labeller_grad_stop, and
+    what `method` adds to it (its heads, a predicting head of `method_classes` outputs; the labeller or not; the
+    projection's last layer or not). `pretrained=False` builds the backbone without `model.pretrained`, for a model a
+    checkpoint fills (it holds every weight, and the file may have moved since)."""
     t = cfg.train
     model_cfg = cfg.model if pretrained else dataclasses.replace(cfg.model, pretrained=None)
     grad_stop = cfg.loss.labeller_grad_stop
-    return InfoSieve(model_cfg, n_old, backbone, t.frozen_bf16, t.checkpoint_blocks, t.kernels, grad_stop)
+    model = InfoSieve(
+        model_cfg,
+        n_old,
+        backbone,
+        t.frozen_bf16,
+        t.checkpoint_blocks,
+        t.kernels,
+        grad_stop,
+        labeller=method.labeller,
+        projection_last_layer=method.projection_last_layer,
+    )
+    classes = method_classes(cfg, n_classes) if method.predicts == "head" else n_classes
+    model.method_heads = method.build_heads(model.backbone.feat_dim, classes)
+    return model
 
 
 def check_source_fits(cfg: Config, source: GCDSource) -> None:
