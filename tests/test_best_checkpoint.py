@@ -29,6 +29,7 @@ from infosieve_fast.training.best_checkpoint import (
     holdout_accuracy,
     images_held_out_for_selection,
     kmeans_objective,
+    labels_hidden,
 )
 from infosieve_fast.training.checkpoint import load_checkpoint
 from infosieve_fast.training.engine import FeatureSet, Trainer
@@ -81,7 +82,7 @@ def test_the_best_is_the_logs_best_epoch_and_its_weights_score_it(holdout_run):
     assert kept["epoch"] == best["epoch"] and kept["best"] == best and "optimizer" not in kept
     assert load_checkpoint(holdout_run)["best"] == best  # the last checkpoint carries it for a resume
     trainer = trainer_from_run(holdout_run, "best")  # the kept weights give the recorded value again
-    assert BestCheckpoint(trainer).score(trainer.evaluator()) == best["value"]
+    assert BestCheckpoint(trainer.cfg.checkpoint, trainer.source).score(trainer.evaluator()) == best["value"]
 
 
 def test_the_choice_never_reads_a_label_of_an_unlabelled_image(holdout_run, tmp_path):
@@ -117,7 +118,7 @@ def test_held_out_images_take_no_part_in_the_supervised_training(monkeypatch):
     cfg = smoke_config("checkpoint.best=labelled_holdout", "train.max_steps_per_epoch=3")
     trainer = Trainer(cfg)
     source, labelled = trainer.source, trainer.source.labelled
-    best = BestCheckpoint(trainer)
+    best = BestCheckpoint(trainer.cfg.checkpoint, trainer.source)
     held = best.holdout
     assert int(held.sum()) == round(0.1 * int(labelled.sum())) and not bool((held & ~labelled).any())
     assert torch.equal(held, images_held_out_for_selection(source, 0.1, 0))
@@ -127,7 +128,7 @@ def test_held_out_images_take_no_part_in_the_supervised_training(monkeypatch):
     train_step, cluster = trainer.train_step, trainer.cluster
     monkeypatch.setattr(trainer, "train_step", lambda batch, *a: steps.append(batch) or train_step(batch, *a))
     monkeypatch.setattr(trainer, "cluster", lambda fs, **kw: clustered.append(fs.labelled.clone()) or cluster(fs, **kw))
-    with best.training(trainer):
+    with labels_hidden(trainer, best.holdout):
         trainer.train_epoch(0)
     assert len(steps) == 3 and len(clustered) == 1
     drawn = torch.cat([b.uq for b in steps])
@@ -186,7 +187,7 @@ def test_kmeans_objective_keeps_the_lowest_and_reads_no_label(tmp_path):
     scores = []
     for permute in (False, True):
         trainer = Trainer(cfg, digits(cfg, permute_unlabelled=permute))
-        scores.append(BestCheckpoint(trainer).score(trainer.evaluator()))
+        scores.append(BestCheckpoint(trainer.cfg.checkpoint, trainer.source).score(trainer.evaluator()))
     assert scores[0] == scores[1]
 
 
@@ -303,4 +304,4 @@ def test_under_ddp_every_rank_scores_alike_and_one_process_agrees(tmp_path):
     best = read_best(run)
     assert best["value"] == max(scored[0])
     trainer = trainer_from_run(run, "best")
-    assert BestCheckpoint(trainer).score(trainer.evaluator()) == best["value"]
+    assert BestCheckpoint(trainer.cfg.checkpoint, trainer.source).score(trainer.evaluator()) == best["value"]

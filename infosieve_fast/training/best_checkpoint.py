@@ -41,6 +41,8 @@ from ..common import files as common_files
 from .run_files import BEST, BEST_CHECKPOINT, read_best
 
 if TYPE_CHECKING:
+    from ..config.settings import CheckpointConfig
+    from ..data.reading.base import GCDSource
     from ..evaluation.evaluator import Evaluator, FeatureSet
     from .engine import Trainer
 
@@ -105,7 +107,8 @@ class HiddenLabels:
 
 @contextlib.contextmanager
 def labels_hidden(trainer: Trainer, hidden: Tensor | None):
-    """Within: `trainer` trains with the `hidden` samples unlabelled (None: as it is)."""
+    """Within: `trainer` trains with the `hidden` samples unlabelled (None: as it is); a run trains each epoch so, with
+    its `BestCheckpoint.holdout`."""
     if hidden is None:
         yield
         return
@@ -163,20 +166,18 @@ class BestCheckpoint:
     ({"criterion", "epoch", "value", "higher_is_better"}, None before the first epoch). With `checkpoint.best: none`
     every method leaves the run as it is."""
 
-    def __init__(self, trainer: Trainer, state: dict | None = None):
-        """`state`: the checkpoint a resumed run continues from (its `best`), None for a new run."""
-        c = trainer.cfg.checkpoint
-        self.criterion = c.best
-        self.enabled = c.best != "none"
-        holds_out = c.best == "labelled_holdout"
+    def __init__(self, settings: CheckpointConfig, source: GCDSource, state: dict | None = None):
+        """`settings`: the run's `checkpoint` section; `source`: its train set (the held-out images are drawn from
+        it); `state`: the checkpoint a resumed run continues from (its `best`), None for a new run."""
+        self.criterion = settings.best
+        self.enabled = settings.best != "none"
+        holds_out = settings.best == "labelled_holdout"
         self.holdout = (
-            images_held_out_for_selection(trainer.source, c.holdout_fraction, c.holdout_seed) if holds_out else None
+            images_held_out_for_selection(source, settings.holdout_fraction, settings.holdout_seed)
+            if holds_out
+            else None
         )
         self.best: dict | None = None if state is None else state.get("best")
-
-    def training(self, trainer: Trainer):
-        """The context an epoch trains in: the held-out images unlabelled."""
-        return labels_hidden(trainer, self.holdout)
 
     def score(self, ev: Evaluator) -> float:
         """The criterion's value for the evaluator's weights, e.g. `Trainer.evaluator()`'s (every rank calls it; all

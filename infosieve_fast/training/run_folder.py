@@ -37,7 +37,7 @@ from ..methods import METHODS
 from ..network.model import Backbone
 from . import checkpoint as ckpt
 from . import fingerprint
-from .best_checkpoint import BestCheckpoint, write_best
+from .best_checkpoint import BestCheckpoint, labels_hidden, write_best
 from .engine import Evaluation, Trainer, status_line
 from .preemption import MidEpoch, Preempted, StoppedAtOnce, StoppedMidEpoch, StopSignals
 from .run_files import (
@@ -146,7 +146,7 @@ def train_from(
         start, before = state["epoch"], state["before"]
     else:
         start, before = 0, open_new_run(trainer, run_dir)
-    best = BestCheckpoint(trainer, state)
+    best = BestCheckpoint(cfg.checkpoint, trainer.source, state)
     if state is not None and dist.is_main_process():
         best.restore_files(run_dir, state)
     if not train_epochs(trainer, run_dir, start, before, stop_after, best):
@@ -358,7 +358,7 @@ def train_and_record_epoch(
     by rank 0 (and written to TensorBoard's `board`)."""
     cfg = trainer.cfg
     per_epoch_peak = reset_peak_memory(trainer.device)
-    with best.training(trainer):
+    with labels_hidden(trainer, best.holdout):  # the best checkpoint's held-out images, unlabelled
         record = trainer.train_epoch(epoch)
     check_weights(trainer.model, epoch, cfg.optim.lr)  # before anything evaluates or saves them
     best.judge(trainer.evaluator(), record)
