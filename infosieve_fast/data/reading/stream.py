@@ -415,7 +415,7 @@ class ShardSource:
             return f"nvJPEG failed on {window.gpu_fallback} images ({window.gpu_error}); the CPU decoded them"
         if self.gpu_decode:
             return "PNG or WebP images: nvJPEG decodes JPEGs only"
-        if self.decode == "auto":
+        if self.options.decode == "auto":
             return f"data.decode=auto on a {self.device.type} device: the CPU decodes (nvJPEG needs CUDA)"
         return None
 

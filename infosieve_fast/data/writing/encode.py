@@ -18,12 +18,13 @@ JPEG_QUALITY = 95
 
 
 def load_rgb(source) -> Image.Image:  # noqa: F821
-    """A sample's image, fully decoded, as RGB. `source` is a path or an HxWx3 uint8 array."""
+    """A sample's image, fully decoded, as RGB. `source` is a path, an object PIL opens or an HxWx3 uint8 array."""
     from PIL import Image
 
     if isinstance(source, np.ndarray):
         return Image.fromarray(source, "RGB")
-    refuse_special_file(source)
+    if isinstance(source, (str, os.PathLike)):  # a file (other sources are objects PIL reads)
+        refuse_special_file(source)
     with open_image(source) as im:
         im.load()
         return im.convert("RGB")
