@@ -32,9 +32,12 @@ def nearest_mean_distances(x: torch.Tensor, means: torch.Tensor) -> torch.Tensor
     return torch.cat([torch.cdist(block, means).min(1).values for block in blocks])
 
 
-def pool_novelty(x: torch.Tensor, targets: np.ndarray, labelled: np.ndarray, n_old: int) -> dict:
+def pool_novelty(
+    x: torch.Tensor, targets: np.ndarray, labelled: np.ndarray, n_old: int, quantile: float = QUANTILE
+) -> dict:
     """{"quantile", "beyond" (the share of unlabelled points beyond the labelled points' quantile), "z", "new"} for
-    L2-normalised features `x` [N, D], the labelled points' `targets` (classes 0..n_old-1) and the labelled mask."""
+    L2-normalised features `x` [N, D], the labelled points' `targets` (classes 0..n_old-1) and the labelled mask;
+    `quantile` other than `QUANTILE` only to compare quantiles (benchmarks/bench_novelty.py)."""
     lab = torch.from_numpy(np.asarray(labelled, bool)).to(x.device)
     y = torch.as_tensor(np.asarray(targets)[np.asarray(labelled, bool)], dtype=torch.long, device=x.device)
     xl = x[lab].double()
@@ -43,8 +46,8 @@ def pool_novelty(x: torch.Tensor, targets: np.ndarray, labelled: np.ndarray, n_o
     means = sums / counts.clamp_min(1)[:, None]
     own = (xl - (sums[y] - xl) / (counts[y] - 1).clamp_min(1)[:, None]).norm(dim=1)  # own mean without the point
     others = torch.cdist(xl, means).scatter_(1, y[:, None], float("inf")).min(1).values
-    threshold = torch.quantile(torch.minimum(own, others), QUANTILE).item()
+    threshold = torch.quantile(torch.minimum(own, others), quantile).item()
     beyond = (nearest_mean_distances(x[~lab], means) > threshold).double().mean().item()
     n_pool = int((~lab).sum())
-    z = (beyond - (1 - QUANTILE)) / np.sqrt(QUANTILE * (1 - QUANTILE) / n_pool)
-    return {"quantile": QUANTILE, "beyond": round(beyond, 6), "z": round(float(z), 4), "new": bool(z >= Z_NEW)}
+    z = (beyond - (1 - quantile)) / np.sqrt(quantile * (1 - quantile) / n_pool)
+    return {"quantile": quantile, "beyond": round(beyond, 6), "z": round(float(z), 4), "new": bool(z >= Z_NEW)}
