@@ -9,11 +9,15 @@ both from the same classes), so the share of unlabelled points farther than the 
 quantile is 1 - `QUANTILE` up to sampling noise. New classes lie farther and raise it. The excess over 1 - `QUANTILE`,
 in binomial standard errors of the pool's share, is `z`; the pool holds something new when `z >= Z_NEW`.
 
-Chosen on cub100 species 0-19 only (224 and 112 px EfficientNet-Lite0 features, GCD split with seeds 0-9; a one-off
-exploration whose script and numbers are not committed, so no result file backs them yet): ten random subsets of 10
-species, all known, gave z up to 2.4 (quantile 0.8); ten of 10 known + 1 novel gave z from 1.0 to 6.7. The quantiles
-0.9 and 0.95 separated them less. Not yet measured on held-out species. A novel class that lies as near a known
-class as that class's own images is not seen: those miss here, and K then stays the known classes'.
+Chosen on cub100 species 0-19 only (224 and 112 px EfficientNet-Lite0 features; benchmarks/bench_novelty.py, result
+in benchmarks/results/novelty_tuning_0-19_cpu.json, command in docs/kmeans.md): ten random sets of 10 species, all
+known, gave z up to 2.4 (quantile 0.8); ten of 10 known + 1 novel gave z from -0.4 to 7.4, 6 or 7 of 10 at 2.5 or
+more. The quantile 0.9 did about as well (7 of 10 at both sizes), 0.95 worse (a pool of only known species at z = 2.9;
+6 and 5 of 10). On held-out species 60-79 and 80-99 (the same benchmark,
+novelty_heldout_*_cpu.json) no pool of only known species was said to hold something new (z at most 2.2), and one
+novel species among 10 known was seen in 5 to 9 of 10 draws, two in 8 to 10, five or more in all. A novel class that
+lies as near a known class as that class's own images is not seen: those miss here, and K then stays the known
+classes'.
 """
 
 from __future__ import annotations
