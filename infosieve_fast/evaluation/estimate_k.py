@@ -305,10 +305,11 @@ def pooled_error(errors: dict[int, float]) -> float:
     return float(np.sqrt(np.mean(np.square(list(errors.values())))))
 
 
-def plausible_ks(curve: dict[int, float], noise: float) -> list[int]:
-    """The K, sorted, whose (smoothed) score lies within `BAND` x `noise` of the best."""
+def plausible_ks(curve: dict[int, float], noise: float, band: float = BAND) -> list[int]:
+    """The K, sorted, whose (smoothed) score lies within `band` x `noise` of the best (another band than `BAND`: only
+    to compare rules, benchmarks/bench_k_rule_choice.py)."""
     best = max(curve.values())
-    return sorted(k for k, v in curve.items() if v >= best - BAND * noise)
+    return sorted(k for k, v in curve.items() if v >= best - band * noise)
 
 
 def choose_k(
