@@ -32,14 +32,14 @@ one height, of which Brent's search climbs whichever its first steps find. So:
 Why. On resamples of the same species the unsmoothed score's best K and the smallest K within one standard error of
 it moved by up to 15 classes: the score is flat near its peak, and its change between resamples is larger than the
 seeds' standard error. Subsamples, smoothing and the pooled error steady the curve. The position in the plausible
-range, the band and the smoothing's width were then chosen (issue 43) on cub100 species 0-39 only (sets of 10, 20, 30
-and 40 species, a third to three quarters of them known, EfficientNet-Lite0 features at 224 and 112 px, each set
-whole and with three resamples dropping 2% of the images), for the smallest mean distance from the true K with the
-resamples' spread no larger than before: the previous rule (the lower quartile of a band of 2 errors, width 0.3)
-missed by 15% on average and fell to -35% on the weaker 112 px features; this one misses by 12% on average, by at
-most 30% (3 of 10 species), and spreads less. No rule tried was within 10% on every set: the score answers low where
-few of the classes are known and high where most are. docs/kmeans.md measures it across 10 to 100 species and on
-held-out species. The rule's `k_range` is wide: it is the K the score cannot tell apart, not a confidence interval.
+range, the band and the smoothing's width were then chosen (issue 43) on cub100 species 0-39 only (sets of 10 to 40
+species, a third to three quarters of them known, EfficientNet-Lite0 features at 224 and 112 px, each set whole and
+with three resamples dropping 2% of the images), for the smallest mean distance from the true K with the resamples'
+spread no larger than the previous rule's (the lower quartile of a band of 2 errors, width 0.3, which answered low,
+most of all on the weaker 112 px features). No rule tried was within 10% of the true K on every set: the score
+answers low where few of the classes are known or the features are weak, and high where most are known.
+docs/kmeans.md has the choice, the measurement across 10 to 100 species and on held-out species, and where it fails.
+The rule's `k_range` is wide: it is the K the score cannot tell apart, not a confidence interval.
 
 A second criterion is reported beside the first: the silhouette of the unlabelled points under the semi-supervised
 k-means with K clusters, for the grid's K and the answer. It is computed on at most 4,000 points with a fixed seed,
