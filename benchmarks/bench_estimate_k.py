@@ -26,18 +26,61 @@ from benchmarks.tools.provenance import emit_json
 from infosieve_fast.data.splits import gcd_split
 from infosieve_fast.evaluation.estimate_k import estimate_k
 
+RESERVED = (40, 59)  # cub100 species kept for final checks
+
 
 def class_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     return int(lo), int(hi)
 
 
+def refuse_reserved(path: str, ranges: list[tuple[int, int]]) -> None:
+    """Stops when a range of classes of cub100's features reaches into the species kept for final checks."""
+    if "cub100" in path and any(lo <= RESERVED[1] and hi >= RESERVED[0] for lo, hi in ranges):
+        raise SystemExit("cub100 species 40-59 are kept for final checks: choose --classes outside them")
+
+
 def load_classes(path: str, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
     """Features and labels (renumbered 0..hi-lo) of the classes lo..hi of an `.npz` with `F` and `y`."""
+    return load_ranges(path, [(lo, hi)])
+
+
+def load_ranges(path: str, ranges: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Features and labels of the classes of `ranges` (each LO..HI) of an `.npz` with `F` and `y`, renumbered from 0
+    in the order the ranges list them."""
     with np.load(path) as data:
         feats, y = data["F"].astype(np.float32), data["y"].astype(np.int64)
-    keep = (y >= lo) & (y <= hi)
-    return feats[keep], y[keep] - lo
+    classes = np.concatenate([np.arange(lo, hi + 1) for lo, hi in ranges])
+    relabel = np.full(max(y.max(), classes.max()) + 1, -1)
+    relabel[classes] = np.arange(len(classes))
+    keep = relabel[y] >= 0
+    return feats[keep], relabel[y[keep]]
+
+
+def drop_resamples(n: int, resamples: int, drop: float) -> dict[str, np.ndarray]:
+    """The rows of each sample: all `n`, then `resamples` random subsets that each drop a share `drop` (seed r)."""
+    samples = {"all": np.arange(n)}
+    for r in range(resamples):
+        keep = np.random.RandomState(r).choice(n, round(n * (1 - drop)), replace=False)
+        samples[f"drop {drop:g}, seed {r}"] = np.sort(keep)
+    return samples
+
+
+def stability(feats, y, known: int, *, resamples: int, drop: float, seeds: int, workers: int) -> dict:
+    """estimate-k on all the rows and on each resample (`workers` at once): the rows, the spread of K over the
+    resamples and its largest distance from the whole set's K."""
+    labelled = np.asarray(gcd_split(y, list(range(known)), 0.5, 0)[0], bool)
+    samples = drop_resamples(len(y), resamples, drop)
+    jobs = [(feats[i], y[i], labelled[i], known, seeds) for i in samples.values()]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        found = pool.starmap(one_estimate, jobs)
+    rows = [{"sample": name, **row} for name, row in zip(samples, found, strict=True)]
+    ks = [row["k"] for row in rows[1:]]
+    return {
+        "rows": rows,
+        "resample_k_spread": max(ks) - min(ks),
+        "resample_k_max_shift": max(abs(k - rows[0]["k"]) for k in ks),
+    }
 
 
 def one_estimate(feats, y, labelled, known: int, n_seeds: int) -> dict:
@@ -60,21 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", help="also write the result here")
     args = smoke.shrink(ap.parse_args(argv), classes=(0, 5), resamples=1, seeds=2)
     lo, hi = args.classes
-    if lo <= 59 and hi >= 40 and "cub100" in args.features:
-        raise SystemExit("cub100 species 40-59 are kept for final checks: choose --classes outside them")
+    refuse_reserved(args.features, [(lo, hi)])
     feats, y = load_classes(args.features, lo, hi)
     known = args.known if args.known is not None else (hi - lo + 1) // 2
-    labelled = np.asarray(gcd_split(y, list(range(known)), 0.5, 0)[0], bool)
     clock = Stopwatch()
-    samples = {"all": np.arange(len(y))}
-    for r in range(args.resamples):
-        keep = np.random.RandomState(r).choice(len(y), round(len(y) * (1 - args.drop)), replace=False)
-        samples[f"drop {args.drop:g}, seed {r}"] = np.sort(keep)
-    jobs = [(feats[i], y[i], labelled[i], known, args.seeds) for i in samples.values()]
-    with multiprocessing.get_context("fork").Pool(args.workers) as pool:
-        found = pool.starmap(one_estimate, jobs)
-    rows = [{"sample": name, **row} for name, row in zip(samples, found, strict=True)]
-    ks = [row["k"] for row in rows[1:]]
+    found = stability(
+        feats, y, known, resamples=args.resamples, drop=args.drop, seeds=args.seeds, workers=args.workers
+    )
     emit_json(
         {
             "features": args.features.rsplit("/", 1)[-1],
@@ -82,9 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             "true_k": hi - lo + 1,
             "known": known,
             "seeds_per_k": args.seeds,
-            "rows": rows,
-            "resample_k_spread": max(ks) - min(ks),
-            "resample_k_max_shift": max(abs(k - rows[0]["k"]) for k in ks),
+            **found,
             "seconds": round(clock.seconds(), 1),
         },
         args.json,

@@ -246,6 +246,11 @@ def _estimate_k(args: argparse.Namespace) -> int:
         progress=lambda msg: print(msg, file=sys.stderr),
     )
     print(f"K = {result['k']}: {describe_choice(result)}", file=sys.stderr)
+    if args.run:
+        from .evaluation.feature_view import describe_feature_view
+
+        served = getattr(trainer.source, "size", None)
+        print(describe_feature_view(trainer.augment.cfg.crop_size, served), file=sys.stderr)
     warning = no_new_cluster_warning(result)
     if warning:
         print(f"WARNING: {warning}", file=sys.stderr)

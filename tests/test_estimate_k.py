@@ -12,6 +12,7 @@ import torch
 from infosieve_fast import cli
 from infosieve_fast.data.splits import gcd_split
 from infosieve_fast.evaluation.estimate_k import (
+    BAND,
     BANDWIDTH,
     SUBSAMPLE,
     choose_k,
@@ -46,13 +47,13 @@ def test_separated_blobs_give_their_number():
     curve = {int(k): v for k, v in res["criteria"]["labelled_accuracy"].items()}
     errors = {int(k): v for k, v in res["criteria"]["labelled_accuracy_standard_error"].items()}
     smooth = {int(k): v for k, v in res["criteria"]["labelled_accuracy_smoothed"].items()}
-    # the range: the K whose smoothed score lies within two pooled standard errors (the root mean square of the K's
-    # standard errors) of the best; every K in it was scored, and the answer is its lower quartile
+    # the range: the K whose smoothed score lies within BAND pooled standard errors (the root mean square of the K's
+    # standard errors) of the best; every K in it was scored, and the answer is its lower third
     noise = float(np.sqrt(np.mean(np.square(list(errors.values())))))
     assert res["pooled_standard_error"] == pytest.approx(noise, abs=1e-6)
-    within = sorted(k for k, v in smooth.items() if v >= max(smooth.values()) - 2 * noise)
+    within = sorted(k for k, v in smooth.items() if v >= max(smooth.values()) - BAND * noise)
     assert res["k_range"] == [within[0], within[-1]] and within == list(range(within[0], within[-1] + 1))
-    assert within[0] < 12 < within[-1] and within[(len(within) - 1) // 4] == 12
+    assert within[0] < 12 < within[-1] and within[(len(within) - 1) // 3] == 12
     assert curve[12] > 0.95 and max(curve.values()) == curve[12]  # the peak the answer found is the score's own
     assert set(smooth) == set(curve) and {6, 30} <= set(curve) and "12" in res["criteria"]["unlabelled_silhouette"]
     told = {int(k): (float(v), float(e)) for k, v, e in (re.fullmatch(SAID, line).groups() for line in said)}
@@ -70,8 +71,8 @@ def test_real_cub100_features_within_15_percent(realdata, tmp_path, capsys):
     assert res == json.loads(said.out)
     assert 85 <= res["k"] <= 115, res["k"]
     (low, high), best = res["k_range"], res["k_by_argmax"]
-    assert (f"K = {res['k']}: plausible K {low}-{high}, within 2 pooled standard errors of the best smoothed score "
-            f"(K = {best}); the lower quartile is chosen") in said.err  # fmt: skip
+    assert (f"K = {res['k']}: plausible K {low}-{high}, within 3 pooled standard errors of the best smoothed score "
+            f"(K = {best}); the lower third is chosen") in said.err  # fmt: skip
     assert res["search"]["k_min"] == 50 and res["search"]["k_max"] == 200
 
 
@@ -91,26 +92,26 @@ def test_bad_inputs_are_named(tmp_path, capsys):
     assert "exactly one of --run" in capsys.readouterr().err
 
 
-def test_the_search_scores_every_k_around_the_plausible_range_and_answers_its_lower_quartile():
-    """A score table by hand, no smoothing (width 0), standard error 0.01 at every K: K scoring within two errors of
-    the best (0.90 at K = 12), 0.88 or more, is plausible. The grid scored 4, 12 and 20. Round 1: only 12 is
+def test_the_search_scores_every_k_around_the_plausible_range_and_answers_its_lower_third():
+    """A score table by hand, no smoothing (width 0), standard error 0.02 / BAND at every K: K scoring within BAND
+    errors of the best (0.90 at K = 12), 0.88 or more, is plausible. The grid scored 4, 12 and 20. Round 1: only 12 is
     plausible, so 10-14 are scored; round 2: 10, 11, 12 and 13 are, so 8-15; round 3: 8 (0.885) joins, so 6 and 7;
-    7 scores 0.86: done. Plausible: 8, 10, 11, 12, 13 (9 scores 0.87); the answer is the lower quartile, index
-    (5 - 1) // 4 = 1: K = 10."""
+    7 scores 0.86: done. Plausible: 8, 10, 11, 12, 13 (9 scores 0.87); the answer is the lower third, index
+    (5 - 1) // 3 = 1: K = 10."""
     table = {4: 0.70, 6: 0.80, 7: 0.86, 8: 0.885, 9: 0.87, 10: 0.881, 11: 0.89, 12: 0.90, 13: 0.885, 14: 0.87}
     table |= {15: 0.86, 16: 0.85, 20: 0.80}
     scores = {k: table[k] for k in (4, 12, 20)}
-    errors = dict.fromkeys(scores, 0.01)
+    errors = dict.fromkeys(scores, 0.02 / BAND)
     asked = []
 
     def score(k):
         asked.append(k)
-        scores[k], errors[k] = table[k], 0.01
+        scores[k], errors[k] = table[k], 0.02 / BAND
 
     found = choose_k(scores, errors, score, 4, 20, 0.0)
     assert sorted(asked) == [6, 7, 8, 9, 10, 11, 13, 14, 15]
     assert (found["k"], found["k_range"], found["k_by_argmax"]) == (10, [8, 13], 12)
-    assert found["noise"] == pytest.approx(0.01) and found["curve"] == scores
+    assert found["noise"] == pytest.approx(0.02 / BAND) and found["curve"] == scores
 
 
 def test_a_wide_smoothing_scores_the_range_every_third_of_its_width():
@@ -147,15 +148,15 @@ def _never(k):
 
 def test_a_lone_high_k_does_not_decide_once_smoothed():
     """A tent peaking at K = 25 (0.9, falling 0.01 per K) over 10..40, with a noisy 0.95 at K = 12; standard error
-    0.005, so the band is 0.01. Unsmoothed, the spike alone is plausible and chosen; smoothed (width 3), the spike's
+    0.005, so the band is 0.015. Unsmoothed, the spike alone is plausible and chosen; smoothed (width 3), the spike's
     0.95 is averaged with its neighbours' 0.77s and falls out of reach, and the tent, symmetric about 25, gives a
-    plausible range symmetric about 25, all of it scored, answered by its lower quartile."""
+    plausible range symmetric about 25, all of it scored, answered by its lower third."""
     tent = {k: 0.9 - 0.01 * abs(k - 25) for k in range(10, 41)} | {12: 0.95}
     raw = choose_k(dict(tent), dict.fromkeys(tent, 0.005), _never, 10, 40, 0.0)
     assert (raw["k"], raw["k_range"]) == (12, [12, 12])
     found = choose_k(dict(tent), dict.fromkeys(tent, 0.005), _never, 10, 40, 3.0)
     low, high = found["k_range"]
-    assert 25 - low == high - 25 > 0 and found["k"] == low + (high - low) // 4 and found["k_by_argmax"] == 25
+    assert 25 - low == high - 25 > 0 and found["k"] == low + (high - low) // 3 and found["k_by_argmax"] == 25
     assert found["curve"][12] < found["curve"][25] - 0.01
 
 
@@ -164,32 +165,33 @@ def _result(found: dict, k_min: int) -> dict:
     return {**found, "search": {"k_min": k_min}}
 
 
-def test_a_lower_quartile_at_the_known_classes_is_raised_to_the_smallest_plausible_k_above_them():
-    """3 known classes, every K of 3..12 scored by hand, no smoothing, standard error 0.01: 3 (0.90), 5 (0.885) and
-    6 (0.881) score within two errors of the best, 4 (0.87) does not. The lower quartile, index (3 - 1) // 4 = 0, is
-    K = 3, no cluster for a new category; the smallest plausible K above 3 is 5 (4 is not plausible)."""
+def test_a_lower_third_at_the_known_classes_is_raised_to_the_smallest_plausible_k_above_them():
+    """3 known classes, every K of 3..12 scored by hand, no smoothing, standard error 0.02 / BAND: 3 (0.90), 5 (0.885)
+    and 6 (0.881) score within BAND errors (0.02) of the best, 4 (0.87) does not. The lower third, index
+    (3 - 1) // 3 = 0, is K = 3, no cluster for a new category; the smallest plausible K above 3 is 5 (4 is not
+    plausible)."""
     table = {3: 0.90, 4: 0.87, 5: 0.885, 6: 0.881} | {k: 0.86 - 0.01 * k for k in range(7, 13)}
-    found = choose_k(dict(table), dict.fromkeys(table, 0.01), _never, 3, 12, 0.0)
-    assert (found["k"], found["k_lower_quartile"], found["k_range"], found["k_by_argmax"]) == (5, 3, [3, 6], 3)
+    found = choose_k(dict(table), dict.fromkeys(table, 0.02 / BAND), _never, 3, 12, 0.0)
+    assert (found["k"], found["k_lower_third"], found["k_range"], found["k_by_argmax"]) == (5, 3, [3, 6], 3)
     assert describe_choice(_result(found, 3)) == (
-        "plausible K 3-6, within 2 pooled standard errors of the best smoothed score (K = 3); the lower quartile, "
+        "plausible K 3-6, within 3 pooled standard errors of the best smoothed score (K = 3); the lower third, "
         "K = 3, would leave no cluster for new categories, so the smallest plausible K above the 3 known classes is "
         "chosen"
     )
     assert no_new_cluster_warning(_result(found, 3)) is None
-    # the same curve searched from 2: the lower quartile of 3, 5, 6 is 3, above k_min, and is the answer unchanged
-    lower = choose_k(dict(table) | {2: 0.5}, dict.fromkeys([2, *table], 0.01), _never, 2, 12, 0.0)
-    assert (lower["k"], lower["k_lower_quartile"]) == (3, 3)
-    assert describe_choice(_result(lower, 2)).endswith("(K = 3); the lower quartile is chosen")
+    # the same curve searched from 2: the lower third of 3, 5, 6 is 3, above k_min, and is the answer unchanged
+    lower = choose_k(dict(table) | {2: 0.5}, dict.fromkeys([2, *table], 0.02 / BAND), _never, 2, 12, 0.0)
+    assert (lower["k"], lower["k_lower_third"]) == (3, 3)
+    assert describe_choice(_result(lower, 2)).endswith("(K = 3); the lower third is chosen")
 
 
 def test_only_the_known_classes_plausible_keeps_k_and_warns():
-    """K = 4 scores 0.95, every larger K 0.90 or less (error 0.01, band 0.02): only the 4 known classes are plausible,
+    """K = 4 scores 0.95, every larger K 0.90 or less (error 0.01, band 0.03): only the 4 known classes are plausible,
     no larger K to raise the answer to, so it stays 4 and the warning says no cluster is left and how to set K."""
     table = {4: 0.95} | {k: 0.90 - 0.02 * (k - 5) for k in range(5, 17)}
     found = choose_k(dict(table), dict.fromkeys(table, 0.01), _never, 4, 16, 0.0)
-    assert (found["k"], found["k_lower_quartile"], found["k_range"]) == (4, 4, [4, 4])
-    assert describe_choice(_result(found, 4)).endswith("the lower quartile is chosen")
+    assert (found["k"], found["k_lower_third"], found["k_range"]) == (4, 4, [4, 4])
+    assert describe_choice(_result(found, 4)).endswith("the lower third is chosen")
     assert no_new_cluster_warning(_result(found, 4)) == (
         "K = 4 is the number of known classes, so no cluster is left for new categories (no larger K scores as "
         "well): if the unlabelled images hold new categories, set kmeans.n_clusters to the number you expect, above 4"
@@ -206,7 +208,7 @@ def test_new_classes_that_look_like_known_ones_give_the_known_number_with_a_warn
     assert cli.main(["estimate-k", "--features", str(tmp_path / "f.npz"), "--known-classes", "2"]) == 0
     said = capsys.readouterr()
     res = json.loads(said.out)
-    assert (res["k"], res["k_range"], res["k_lower_quartile"]) == (2, [2, 2], 2)
+    assert (res["k"], res["k_range"], res["k_lower_third"]) == (2, [2, 2], 2)
     assert res["criteria"]["labelled_accuracy"]["2"] == 1.0 and max(res["criteria"]["labelled_accuracy"].values()) == 1
     assert "\nWARNING: no new category was found: K = 2, the known classes" in said.err
     assert res["novelty"]["new"] is False and res["k_by_score"] == 2
@@ -215,7 +217,7 @@ def test_new_classes_that_look_like_known_ones_give_the_known_number_with_a_warn
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_pool_of_only_known_classes_says_nothing_new(seed):
     """6 blobs, all 6 known, half of each labelled: the pool holds nothing new. The score alone answers 7 (the
-    issue's case: a few extra clusters score as well, and the rule raises a lower quartile of 6 above the known
+    issue's case: a few extra clusters score as well, and the rule raises a lower third of 6 above the known
     classes); the pool's points lie as near the known classes as the labelled ones do, so K = 6."""
     x, y = _blobs(6, 40, seed=seed)
     labelled, _ = gcd_split(y, list(range(6)), 0.5, 0)
@@ -248,10 +250,10 @@ def test_a_pool_smaller_than_k_skips_the_silhouette_with_a_note():
     assert res["k_by_silhouette"] == 3
     assert "silhouette skipped for K >= 4: it needs fewer clusters than the 4 unlabelled points" in said
     smooth = {int(k): v for k, v in res["criteria"]["labelled_accuracy_smoothed"].items()}
-    plausible = sorted(k for k, v in smooth.items() if v >= max(smooth.values()) - 2 * res["pooled_standard_error"])
-    quartile = plausible[(len(plausible) - 1) // 4]
-    assert res["k_lower_quartile"] == quartile
-    assert res["k"] == (min(k for k in plausible if k > 3) if quartile == 3 and plausible[-1] > 3 else quartile)
+    plausible = sorted(k for k, v in smooth.items() if v >= max(smooth.values()) - BAND * res["pooled_standard_error"])
+    third = plausible[(len(plausible) - 1) // 3]
+    assert res["k_lower_third"] == third
+    assert res["k"] == (min(k for k in plausible if k > 3) if third == 3 and plausible[-1] > 3 else third)
 
 
 def test_too_few_known_classes_or_points_are_refused():

@@ -14,9 +14,14 @@ def _cfg(*extra):
     return load_config("configs/demo.yaml", [*SMOKE, "schedule.epochs=1", "train.device=cpu", *extra])
 
 
-def test_auto_estimates_k_once_before_training_and_keeps_it(tmp_path):
+def test_auto_estimates_k_once_before_training_and_keeps_it(tmp_path, capsys):
     cfg = _cfg("kmeans.n_clusters=auto")
     train(cfg, tmp_path / "run")
+    # the view the features came from (the digits have no stored size: the crop of each upscaled image)
+    assert (
+        "kmeans.n_clusters=auto: the features are those of the centre 32 px crop of each image\n"
+        in capsys.readouterr().out
+    )
     state = load_checkpoint(tmp_path / "run")
     fresh = Trainer(_cfg())  # the same seed: the same initial backbone
     fs = fresh.extract_features("test")

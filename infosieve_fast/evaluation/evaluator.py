@@ -213,6 +213,7 @@ class Evaluator:
     def _estimate_k(self, fs: FeatureSet) -> int:
         """`kmeans.n_clusters=auto`: GCD's estimate of K from `fs` (all ranks' shares), said on the terminal."""
         from .estimate_k import describe_choice, estimate_k, no_new_cluster_warning
+        from .feature_view import describe_feature_view
 
         feats, targets, labelled = (dist.all_gather_cat(t)[0].cpu() for t in (fs.feats, fs.targets, fs.labelled))
         main = dist.is_main_process()
@@ -223,6 +224,8 @@ class Evaluator:
             known = counted(n, "class") if n is not None else f"{counted(self.source.n_old, 'known class')} and a pool"
             said = describe_choice(found)
             print(f"kmeans.n_clusters=auto: estimated K = {found['k']} (the dataset has {known}); {said}")
+            view = describe_feature_view(self.augment.cfg.crop_size, getattr(self.source, "size", None))
+            print(f"kmeans.n_clusters=auto: {view}")
             warning = no_new_cluster_warning(found)
             if warning:
                 print(f"kmeans.n_clusters=auto: WARNING: {warning}")
