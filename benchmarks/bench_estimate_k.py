@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     feats, y = load_classes(args.features, lo, hi)
     known = args.known if args.known is not None else (hi - lo + 1) // 2
     clock = Stopwatch()
-    found = stability(
-        feats, y, known, resamples=args.resamples, drop=args.drop, seeds=args.seeds, workers=args.workers
-    )
+    found = stability(feats, y, known, resamples=args.resamples, drop=args.drop, seeds=args.seeds, workers=args.workers)
     emit_json(
         {
             "features": args.features.rsplit("/", 1)[-1],
