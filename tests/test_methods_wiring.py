@@ -172,8 +172,10 @@ def test_a_short_run_trains_resumes_evaluates_predicts_and_reports(method, tmp_p
             assert torch.equal(want, model.method_heads[HEAD](model.backbone(x)).argmax(1))
     assert [r["cluster"] for r in records] == want.tolist()
     assert all(r["code"] == r["prefix"] == "" and r["tree_path"] == [] for r in records)
+    capsys.readouterr()
     assert cli.main(["report", "--run", str(run)]) == 0
     assert (run / "report.html").is_file()
+    assert "infosieve tree" not in capsys.readouterr().out  # no tree to ask for: the method learns no codes
 
 
 def test_a_head_that_predicts_needs_the_number_of_classes_before_training():

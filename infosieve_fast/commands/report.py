@@ -34,7 +34,9 @@ from ..analysis.run_reader import checkpoint_name, describe_run
 from ..analysis.run_results import saved_tree
 from ..common.files import read_log
 from ..common.labels import NO_LABEL
+from ..config.settings import load_config
 from ..evaluation.discovery import pool_section, unscored_notes, unscored_parts
+from ..methods import METHODS
 from ..training.checkpoint import load_checkpoint
 from ..training.run_files import read_clustering
 
@@ -285,7 +287,7 @@ def write_report(
     unscored = unscored_parts(clustering["targets"], int(clustering["n_old"])) if clustering is not None else {}
     names = run_class_names(run, checkpoint)
     figures = report_figures(log, metrics, clustering, tree, unscored, depth, names)
-    to_act = [n for n in (gallery_note, *act_notes(run, clustering, tree, tree_note)) if n]
+    to_act = [n for n in (gallery_note, *act_notes(run, clustering, tree, tree_note, learns_codes(run))) if n]
     body = []
     for name, caption, draw in figures:
         draw(out / name)
@@ -312,14 +314,24 @@ def run_class_names(run: Path, checkpoint: str) -> list[str] | None:
     return None if names is None else list(names)
 
 
-def act_notes(run: Path, clustering: dict | None, tree: dict | None, tree_note: str | None) -> list[str]:
-    """The page's notes on what it cannot show as current, each saying what to do about it."""
+def learns_codes(run: Path) -> bool:
+    """Whether the run's method learns category codes (only they have a category tree to draw)."""
+    saved = run / "config.yaml"
+    method = load_config(saved, saved=True).method if saved.is_file() else "infosieve"
+    return METHODS[method].labeller
+
+
+def act_notes(
+    run: Path, clustering: dict | None, tree: dict | None, tree_note: str | None, codes: bool = True
+) -> list[str]:
+    """The page's notes on what it cannot show as current, each saying what to do about it (`codes`: whether the
+    run's method learns codes; a run without them has no tree to ask for)."""
     notes = [] if clustering is not None else ["no final clustering recorded (the run has not finished)"]
     if tree is None and tree_note is not None:  # a stale tree.json, not drawn
         notes.append(f"the category tree is not drawn: {tree_note}")
     elif tree_note is not None:  # drawn: a tree.json of unknown age, or the gallery's tree in place of a stale one
         notes.append(tree_note)
-    elif tree is None:
+    elif tree is None and codes:
         notes.append(f"no tree.json: run `infosieve tree --run {run}` first")
     return notes
 
