@@ -132,8 +132,10 @@ def test_a_short_run_trains_resumes_evaluates_predicts_and_reports(method, tmp_p
     fresh = Trainer(cfg)  # the untrained weights, the images and the test view
     full = train(cfg, tmp_path / "full")
     run = tmp_path / "full"
-    next_steps = capsys.readouterr().out.split("next:")[1]
+    printed = capsys.readouterr().out
+    next_steps = printed.split("next:")[1]
     assert "infosieve eval --run" in next_steps and "infosieve tree" not in next_steps  # a run without codes
+    assert "epoch 1/2  loss " in printed and " age " not in printed  # the labeller's schedule: InfoSieve's alone
     log = read_log(run / "log.jsonl")
     terms = {"gcd": {"infonce", "supcon"}, "simgcd": {"cls", "cluster", "distill", "memax", "infonce", "supcon"}}
     assert {k.removeprefix("loss_") for k in log[0] if k.startswith("loss_")} == {"total", *terms[method]}

@@ -371,10 +371,11 @@ def train_and_record_epoch(
         log_scalars(board, record)
     if dist.is_main_process():
         write_epoch(run_dir, trainer, record, before, best)
+        codes = f"age {record['age']:.2f}  base {record['base']:.3f}  " if trainer.model.labeller is not None else ""
         print(
             f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
-            f"age {record['age']:.2f}  base {record['base']:.3f}  {record['seconds']:.1f}s"
-        )
+            f"{codes}{record['seconds']:.1f}s"
+        )  # the labeller's age and positional base only where a method learns codes
     dist.barrier()  # the checkpoint is written (or being written, in the background) before any rank moves on
 
 
