@@ -137,6 +137,19 @@ def test_a_diverged_epoch_writes_no_checkpoint_and_says_so_in_one_line(tmp_path,
     assert not (out / ckpt.CHECKPOINT).exists()
 
 
+def test_report_on_a_read_only_run_is_one_line(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    sets = [*SMALL, "schedule.epochs=1", "train.max_steps_per_epoch=1"]
+    argv = ["train", "--config", "configs/demo.yaml", "--out", str(out)]
+    assert cli.main([*argv, *(a for s in sets for a in ("--set", s))]) == 0
+    capsys.readouterr()
+    read_only(monkeypatch, out / "report")  # the run folder was remounted read-only
+    assert cli.main(["report", "--run", str(out)]) == 1
+    [line] = error_lines(capsys.readouterr().err)
+    assert line == f"error: {out / 'report'}: Read-only file system (errno 30); choose a folder you can write to"
+    assert not (out / "report.html").exists()
+
+
 # ---- predict ----------------------------------------------------------------------------------------------------
 
 
