@@ -15,7 +15,6 @@ then the spread of K over the resamples (largest minus smallest, and the largest
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ import torch
 from benchmarks import smoke
 from benchmarks.harness import Stopwatch
 from benchmarks.tools.provenance import emit_json
+from infosieve_fast.common.worker_processes import forked_pool
 from infosieve_fast.data.splits import gcd_split
 from infosieve_fast.evaluation.estimate_k import estimate_k
 
@@ -72,7 +72,7 @@ def stability(feats, y, known: int, *, resamples: int, drop: float, seeds: int, 
     labelled = np.asarray(gcd_split(y, list(range(known)), 0.5, 0)[0], bool)
     samples = drop_resamples(len(y), resamples, drop)
     jobs = [(feats[i], y[i], labelled[i], known, seeds) for i in samples.values()]
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    with forked_pool(workers) as pool:
         found = pool.starmap(one_estimate, jobs)
     rows = [{"sample": name, **row} for name, row in zip(samples, found, strict=True)]
     ks = [row["k"] for row in rows[1:]]

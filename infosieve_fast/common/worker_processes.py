@@ -24,10 +24,8 @@ def reset_stop_signals() -> None:
     """A pool worker's start (the shard index, make-shards' encoders): SIGTERM and SIGUSR1 end it (their default);
     SIGINT is ignored, since Ctrl-C reaches the whole process group and the parent ends its pool itself, without a
     traceback from every worker."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    _default_stop_signals()
 
 
 def start_reader_worker(_worker_id: int) -> None:
@@ -38,6 +36,12 @@ def start_reader_worker(_worker_id: int) -> None:
     (DataLoader raises in the parent as soon as a worker is killed). The run ends its readers itself, with SIGTERM,
     which ends them at once."""
     os.setpgid(0, 0)
+    _default_stop_signals()
+
+
+def _default_stop_signals() -> None:
+    """The stop signals' default action (end the process), then unblocked: one that came while the worker started
+    (`stop_signals_blocked`) is delivered now, and ends it."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
