@@ -7,7 +7,8 @@ predict. Each novel cluster is then named by its majority species (by the labels
 that is the majority of two clusters names the larger), `infosieve export` writes round 2's folder, and round 2 trains
 and predicts the same way. Both rounds are scored (All/Old/New, v2, the first round's known species as Old) on the
 images still unlabelled in round 2. Prints one JSON object; `--screenshot PNG` also renders round 1's report (its
-gallery, clusters named) in headless Chromium, as docs/report-gallery.png was made.
+gallery, clusters named) in headless Chromium, as docs/report-gallery.png was made; `--estimate-k` also runs
+`infosieve estimate-k --run` on round 2's run (its pool: the known species and the leftovers) and records its answer.
 
     python -m benchmarks.bench_discovery_loop --out runs/loop --json benchmarks/results/discovery_loop_cpu.json
 
@@ -101,6 +102,14 @@ def scores(truth: dict[str, int], clusters: dict[str, int]) -> dict[str, float]:
     return evaluate_split(y, [clusters[p] for p in paths], y < FIRST + KNOWN)
 
 
+def round2_estimate(run: Path) -> dict:
+    """`infosieve estimate-k --run` on round 2's run: K, the score's own answer, the range and the novelty test."""
+    out = run.parent / "estimate_k.json"
+    assert cli.main(["estimate-k", "--run", str(run), "--json", str(out)]) == 0
+    found = json.loads(out.read_text())
+    return {"known": found["search"]["k_min"], **{k: found[k] for k in ("k", "k_by_score", "k_range", "novelty")}}
+
+
 def screenshot(page: Path, png: Path) -> None:
     """Round 1's report in headless Chromium, cut from just above the gallery's first thumbnails to 675 pixels below,
     shrunk to a small palette PNG."""
@@ -126,6 +135,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--epochs", type=int, default=1, help="epochs a round (default 1: a CPU budget)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--screenshot", type=Path, help="render round 1's gallery into this PNG")
+    parser.add_argument("--estimate-k", action="store_true", help="also estimate K on round 2's run (estimate-k --run)")
     args = parser.parse_args(argv)
     clock = Stopwatch()
     cub = REALDATA / "cub100"
@@ -145,6 +155,7 @@ def main(argv=None) -> dict:
              if p.startswith("labelled/") and p.split("/")[1] in named.values()}  # fmt: skip
     second = run_round(args.out / "round2", args.out / "work2", train_set)
     still = sorted(second)
+    leftovers = [species[truth[p]] for p in still if truth[p] >= FIRST + KNOWN]  # round 1's novel species, still here
     result = {
         "what": "the discovery loop on cub100 species: round 2 trains with the novel clusters named by their majority "
         "species; both rounds scored on the images still unlabelled in round 2",
@@ -158,8 +169,11 @@ def main(argv=None) -> dict:
         "moved_images": len(moved),
         "moved_right_species": sum(species[truth["unlabelled/" + p.split("/", 2)[2]]] == n for p, n in moved.items()),
         "still_unlabelled": len(still),
+        "still_unlabelled_novel": len(leftovers),
+        "still_unlabelled_of_unnamed_species": sum(n not in named.values() for n in leftovers),
         "round1": scores(truth, {p: first[p] for p in still}),
         "round2": scores(truth, second),
+        **({"round2_estimate_k": round2_estimate(args.out / "work2" / "run")} if args.estimate_k else {}),
         "seconds": round(clock.seconds(), 1),
     }
     emit_json(result, args.json)

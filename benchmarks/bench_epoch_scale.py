@@ -12,7 +12,7 @@ nvJPEG on CUDA):
    and noise images; ~55 KB JPEG quality 95 at shorter side 256, long side 256-384, half portrait) of `--classes`
    classes, written by make-shards on every core and reused from `--shards-dir`;
 2. loader alone: `--loader-batches` training batches read, decoded and delivered on the device; images/s;
-3. feature pass over all `--n` images (the trainer's `extract_features`: augmented view, bf16 forward); images/s;
+3. feature pass over all `--n` images (the evaluator's `features`: augmented view, bf16 forward); images/s;
 4. the training window: `Trainer.train_step` over the sampler's batches (epochs in a row) until `--steps` steps, timed
    from the first batch to the device's last kernel; ms/step, images/s, the host's time waiting for the loader
    (`loader_wait_fraction`), and GPU utilisation sampled by `nvidia-smi` every 200 ms (mean and median);
@@ -146,7 +146,7 @@ def loader_rate(source, batch_size: int, batches: int) -> dict:
 
 def feature_pass(trainer: Trainer) -> tuple[dict, object]:
     with timed(trainer.device) as clock:
-        fs = trainer.extract_features("train", seed=0)
+        fs = trainer.evaluator.features("train", seed=0)
     return throughput(len(fs.uq), clock.seconds), fs
 
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     features, fs = feature_pass(trainer)
     phase_done("feature_pass", feature_pass=features)
     with timed() as kmeans:
-        pseudo = trainer.cluster(fs, seed=0, balanced=trainer.cfg.kmeans.balanced).labels
+        pseudo = trainer.evaluator.cluster(fs, seed=0, balanced=trainer.cfg.kmeans.balanced).labels
     phase_done("kmeans_at_this_n", kmeans_at_this_n_s=round(kmeans.seconds, 2))
     window = training_window(trainer, pseudo, args.steps, args.warmup)
     phase_done("window", window=window)

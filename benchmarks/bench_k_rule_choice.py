@@ -11,12 +11,14 @@ are ranked by their mean distance from the true K; each row also gives the large
 within 10% and the spread of K over each set's resamples.
 
 The choice was made on cub100 species 0-39 (species 40-59 are refused here; 60-99 were kept for the measurement
-after it). docs/kmeans.md has the command and the result.
+after it). `--curves JSON` ranks the rules on the scores an earlier run wrote (its `curves`) instead of scoring again:
+how wider smoothings were compared on the same scores. docs/kmeans.md has the commands and the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import torch
@@ -28,9 +30,9 @@ from benchmarks.tools.provenance import emit_json
 from infosieve_fast.data.splits import gcd_split
 from infosieve_fast.evaluation.estimate_k import checked_inputs, labelled_accuracy, plausible_ks, pooled_error, smoothed
 
-WIDTHS = (0.3, 0.5)
+WIDTHS = (0.3, 0.5, 0.75, 1.0, 1.25, 1.5)
 BANDS = (2.0, 3.0, 4.0, 5.0, 6.0)
-POSITIONS = (1 / 4, 0.3, 1 / 3, 0.4)  # index floor((n - 1) x position) of the n sorted plausible K
+POSITIONS = (1 / 4, 0.3, 1 / 3, 0.4, 0.5)  # index floor((n - 1) x position) of the n sorted plausible K
 
 
 def class_set(text: str) -> tuple[int, int, int]:
@@ -57,6 +59,20 @@ def rule_answer(curve: dict[int, tuple[float, float]], known: int, width: float,
     k = plausible[int((len(plausible) - 1) * position + 1e-9)]
     above = [p for p in plausible if p > known]
     return above[0] if k == known and above else k
+
+
+def peaks(curves: list[dict]) -> dict[str, dict[str, list[int]]]:
+    """Per curve and smoothing width, the K where each sample's smoothed score is highest: where the score itself
+    points, whatever a rule reads off around it."""
+    return {
+        c["name"]: {str(w): [smoothed_peak(s, w * c["known"]) for s in c["samples"].values()] for w in WIDTHS}
+        for c in curves
+    }
+
+
+def smoothed_peak(curve: dict[int, tuple[float, float]], width: float) -> int:
+    smooth = smoothed({k: m for k, (m, _) in curve.items()}, width)
+    return max(smooth, key=lambda k: (smooth[k], -k))
 
 
 def rank_rules(curves: list[dict]) -> list[dict]:
@@ -87,15 +103,36 @@ def rank_rules(curves: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["mean_relative_error"], r["largest_resample_spread"]))
 
 
+def read_curves(path: str) -> list[dict]:
+    """The `curves` of an earlier run's JSON, with each K back to an integer and each score to a (mean, error) pair."""
+    with open(path) as f:
+        curves = json.load(f)["curves"]
+    for c in curves:
+        c["samples"] = {s: {int(k): tuple(v) for k, v in curve.items()} for s, curve in c["samples"].items()}
+    return curves
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--features", nargs="+", required=True, help=".npz files with F [N, D] and y [N]")
-    ap.add_argument("--sets", nargs="+", required=True, type=class_set, help="LO-HI:KNOWN, e.g. 0-19:10")
+    ap.add_argument("--features", nargs="+", help=".npz files with F [N, D] and y [N]")
+    ap.add_argument("--sets", nargs="+", type=class_set, help="LO-HI:KNOWN, e.g. 0-19:10")
+    ap.add_argument("--curves", help="rank the rules on the curves of an earlier run's JSON (no --features, --sets)")
     ap.add_argument("--resamples", type=int, default=3)
     ap.add_argument("--drop", type=float, default=0.02, help="share of the images each resample drops")
     ap.add_argument("--seeds", type=int, default=4, help="k-means runs per K (estimate-k's --seeds)")
     ap.add_argument("--json", help="also write the result here (the curves after every set)")
-    args = smoke.shrink(ap.parse_args(argv), sets=[(0, 5, 3)], resamples=1, seeds=2)
+    args = ap.parse_args(argv)
+    if args.curves:
+        if args.features or args.sets:
+            ap.error("--curves ranks an earlier run's curves: give no --features or --sets with it")
+        curves = read_curves(args.curves)
+        result = {"curves_from": args.curves, "rules": rank_rules(curves), "peaks": peaks(curves)}
+        emit_json(result, args.json, echo=False)
+        print_ranking(result["rules"])
+        return
+    if not (args.features and args.sets):
+        ap.error("give --features and --sets (or --curves)")
+    args = smoke.shrink(args, sets=[(0, 5, 3)], resamples=1, seeds=2)
     torch.set_num_threads(1)
     clock = Stopwatch()
     curves = []
@@ -108,9 +145,14 @@ def main(argv: list[str] | None = None) -> None:
             name = f"{path.rsplit('/', 1)[-1]} {lo}-{hi}:{known}"
             scored = {s: score_curve(feats[i], y[i], labelled[i], known, args.seeds) for s, i in samples.items()}
             curves.append({"name": name, "true_k": hi - lo + 1, "known": known, "samples": scored})
-            result = {"rules": rank_rules(curves), "curves": curves, "seconds": round(clock.seconds(), 1)}
+            result = {"rules": rank_rules(curves), "peaks": peaks(curves), "curves": curves}
+            result["seconds"] = round(clock.seconds(), 1)
             emit_json(result, args.json, echo=False)
-    print("\n".join(f"{r['width']} {r['band']} {r['position']}: {r['mean_relative_error']}" for r in result["rules"]))
+    print_ranking(result["rules"])
+
+
+def print_ranking(rules: list[dict]) -> None:
+    print("\n".join(f"{r['width']} {r['band']} {r['position']}: {r['mean_relative_error']}" for r in rules))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,12 @@ reads `loss.item()` after every step. Variants, in report order (the default and
                     `seconds_cuda_graph_capture`)
 A variant that needs CUDA is recorded as {"skipped": reason} on the CPU.
 
+Method rows (`--methods gcd,simgcd,selex`): for each method, its step in infosieve-fast (`fast_default` with
+`method=<name>`) against that method's published step (`published_fp32`, `published_bf16`), on the same batch, each
+method's FLOPs counted from its own published fp32 step (`benchmarks/method_steps.py` says what each side runs).
+They go into `methods.<name>` (`variants`, and `summary` with the step speedups against the two published steps),
+after InfoSieve's variants (`--variants none` for the method rows alone).
+
 Epoch mode (`--epoch`): a CUB-sized in-memory train set of random uint8 images (5,994 at 256^2, 200 classes, the first
 100 known, half of their images labelled by the GCD split, RandomState(0)) and a test split (5,794, every class) on the
 device. Every k-means of both sides clusters synthetic features with class structure, of the real size, instead of the
@@ -88,8 +94,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks import datasheet, smoke
-from benchmarks.harness import Stopwatch, at, call_times, sync, timed
+from benchmarks import datasheet, method_steps, smoke
+from benchmarks.harness import ItemLog, Stopwatch, at, call_times, sync, timed
 from benchmarks.published import train as published
 from benchmarks.tools.provenance import device_name, emit_json, stamp, versions
 from infosieve_fast.common.precision import set_cuda_matmul_tf32
@@ -218,9 +224,15 @@ class StandInTrainer(Trainer):
 
     stand_in: torch.Tensor | None = None
 
-    def extract_features(self, view: str, seed: int = 0, embed=None) -> FeatureSet:
-        fs = super().extract_features(view, seed, embed)
-        return fs if self.stand_in is None else dataclasses.replace(fs, feats=self.stand_in[fs.uq])
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        features = self.evaluator.features
+
+        def stood_in(view: str, seed: int = 0, embed=None) -> FeatureSet:
+            fs = features(view, seed, embed)
+            return fs if self.stand_in is None else dataclasses.replace(fs, feats=self.stand_in[fs.uq])
+
+        self.evaluator.features = stood_in
 
 
 def make_trainer(args, overrides: list[str], source: InMemoryGCD, cls: type[Trainer] = Trainer) -> Trainer:
@@ -262,7 +274,7 @@ def step_functions(args, device: torch.device, variant: str, batch: Batch, pseud
     augment = DeviceAugment(AugmentConfig(args.crop))
     gen = torch.Generator(device=device).manual_seed(args.seed)
     amp = PUBLISHED_VARIANTS[variant]
-    losses: list[float] = []
+    losses = ItemLog(variant)
 
     def step() -> None:
         views = augment.train_views(batch.images, 2, gen)
@@ -270,27 +282,34 @@ def step_functions(args, device: torch.device, variant: str, batch: Batch, pseud
             loss = published.published_step(
                 loop.model, loop.optimizer, loop.losses, views, batch.targets, batch.labelled, pseudo
             )
-        losses.append(loss.item())  # the published loop logs loss.item() after every step
+        losses.record(loss)  # the published loop logs loss.item() after every step
 
-    def finish() -> float:
-        if not all(math.isfinite(v) for v in losses):
-            raise RuntimeError(f"{variant}: non-finite loss")
-        return losses[-1]
-
-    return step, finish, dict
+    return step, losses.last, dict
 
 
-def count_step_flops(args, device: torch.device, batch: Batch, pseudo: torch.Tensor, n_old: int) -> int:
-    step, _, _ = step_functions(args, device, "published_fp32", batch, pseudo, n_old)
+def method_step_functions(method: str) -> Callable:
+    """`step_functions` for `method`'s rows (`benchmarks/method_steps.py`): its fast step and its published step."""
+
+    def make(args, device: torch.device, variant: str, batch: Batch, pseudo: torch.Tensor, n_old: int):
+        config = fast_config(args, method_steps.fast_overrides(args, method))
+        return method_steps.step_functions(args, device, method, variant, batch, n_old, config)
+
+    return make
+
+
+def count_step_flops(args, device, batch: Batch, pseudo: torch.Tensor, n_old: int, make=step_functions) -> int:
+    step, _, _ = make(args, device, "published_fp32", batch, pseudo, n_old)
     with FlopCounterMode(display=False) as counter:
         step()
     return counter.get_total_flops()
 
 
-def bench_variant(args, device, variant, batch, pseudo, n_old, flops: int, peaks: dict[str, float | None]) -> dict:
+def bench_variant(
+    args, device, variant, batch, pseudo, n_old, flops: int, peaks: dict[str, float | None], make=step_functions
+) -> dict:
     free_memory(device)
     with timed(device) as first:
-        step, finish, details = step_functions(args, device, variant, batch, pseudo, n_old)
+        step, finish, details = make(args, device, variant, batch, pseudo, n_old)
         step()  # first call: kernel compilation, allocator growth (and the compile, `seconds_compile`, before it)
         if details().get("cuda_graph") == "graph":  # the eager warm-up and the capture stay out of the timed steps
             for _ in range(max(0, WARMUP_STEPS - args.warmup)):
@@ -317,24 +336,29 @@ def in_report_order(results: dict[str, dict]) -> dict[str, dict]:
 
 
 class StepBench:
-    """The step variants on one shared batch; the FLOPs are counted once, from the published fp32 step. `peaks`: the
-    bf16 rates MFU is reported against ({"measured_gemm": TFLOPS, "datasheet": TFLOPS or None})."""
+    """The step variants on one shared batch; the FLOPs are counted once, from the published fp32 step, before the
+    first variant runs (none runs: no count, `flops_per_step` null). `peaks`: the
+    bf16 rates MFU is reported against ({"measured_gemm": TFLOPS, "datasheet": TFLOPS or None}). `make`: the variants'
+    `step_functions` (InfoSieve's, or a method's: `method_step_functions`)."""
 
-    def __init__(self, args, device: torch.device, peaks: dict[str, float | None]):
-        self.args, self.device, self.peaks = args, device, peaks
+    def __init__(self, args, device: torch.device, peaks: dict[str, float | None], make=step_functions):
+        self.args, self.device, self.peaks, self.make = args, device, peaks, make
         self.batch, self.pseudo, self.n_old = step_batch(args, device)
-        self.flops = count_step_flops(args, device, self.batch, self.pseudo, self.n_old)
+        self.flops: int | None = None
         self.results: dict[str, dict] = {}
 
     def run(self, variants: list[str], on_result: Callable[[], None]) -> None:
+        if variants and self.flops is None:
+            self.flops = count_step_flops(self.args, self.device, self.batch, self.pseudo, self.n_old, self.make)
         for variant in variants:
             if variant in CUDA_ONLY and self.device.type != "cuda":
                 self.results[variant] = {"skipped": CUDA_ONLY[variant]}
             else:
                 try:
                     self.results[variant] = bench_variant(
-                        self.args, self.device, variant, self.batch, self.pseudo, self.n_old, self.flops, self.peaks
-                    )
+                        self.args, self.device, variant, self.batch, self.pseudo, self.n_old, self.flops, self.peaks,
+                        self.make,
+                    )  # fmt: skip
                 except Exception as err:  # one variant failing (e.g. torch.compile) must not cost the others' numbers
                     self.results[variant] = failure(err)
             print(f"{variant:18s} {self.results[variant]}", file=sys.stderr, flush=True)
@@ -598,6 +622,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma list, in the order they run (with --epoch the CUDA-only ones run after the epochs); 'none': no "
         "step variant (an epoch-only run); default: all (those needing CUDA skipped on the CPU)",
     )
+    p.add_argument(
+        "--methods",
+        default="none",
+        help=f"comma list of {','.join(method_steps.METHODS)}: each method's fast step against its published step, "
+        "after the variants; 'none' (default): no method row",
+    )
     p.add_argument("--epoch", action="store_true", help="also time a whole epoch against the published epochs")
     p.add_argument("--epoch-variants", default=DEFAULT, help="comma list of fast variants for --epoch")
     p.add_argument("--n-train", type=int, default=5994, help="--epoch: train images (CUB's)")
@@ -641,6 +671,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error(f"--backbone-kwargs must be a JSON dict, e.g. '{{\"img_size\": 64}}': {err}")
     args.variants = [] if args.variants == "none" else args.variants.split(",") if args.variants else list(REPORT_ORDER)
     args.epoch_variants = args.epoch_variants.split(",")
+    args.methods = [] if args.methods == "none" else args.methods.split(",")
+    if not set(args.methods) <= set(method_steps.METHODS):
+        p.error(f"unknown method(s) {sorted(set(args.methods) - set(method_steps.METHODS))} in --methods: choose from "
+                f"{list(method_steps.METHODS)} (InfoSieve's rows are --variants)")  # fmt: skip
     unknown = sorted(set(args.variants + args.epoch_variants) - set(REPORT_ORDER))
     if unknown:
         p.error(f"unknown variant(s) {unknown}: choose from {list(REPORT_ORDER)}")
@@ -663,6 +697,28 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     return args
 
 
+def bench_method(args, method: str, peaks: dict[str, float | None], report: dict, update: Callable[[], None]):
+    """`method`'s row, `report["methods"][method]`: its fast step and its published steps, and the speedups
+    (`update` after each variant)."""
+    entry = report["methods"][method] = {}
+    bench = StepBench(args, args.device, peaks, method_step_functions(method))
+
+    def on_result() -> None:
+        entry.update(bench.report())
+        rows = f"methods.{method}.variants"
+        entry["summary"] = {
+            f"step_speedup_vs_{base}": ratio(report, f"{rows}.{base}.ms_per_step", f"{rows}.{DEFAULT}.ms_per_step")
+            for base in (FAIREST_BASELINE, "published_fp32")
+        }
+        update()
+
+    try:
+        bench.run(list(method_steps.VARIANTS), on_result)
+    except Exception as err:  # its FLOP count failing must not cost the other methods' numbers
+        entry.update(failure(err))
+        update()
+
+
 def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: None) -> dict:
     """The whole benchmark; `emit(report)` is called after every variant, so a run cut short keeps what it measured."""
     device = args.device
@@ -680,6 +736,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
         "bf16_datasheet_source": datasheet.SOURCE,
         "settings": {k: (str(v) if isinstance(v, torch.device) else v) for k, v in vars(args).items() if k != "json"},
         "step": {},
+        "methods": {},
         "epoch": {},
         "notes": (
             "baseline: benchmarks/published/train.py (published model, loss and SGD; fp32 or bf16 autocast; "
@@ -691,12 +748,12 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
             "k-means, per-step .item() records, the test-split pass and 3 kmeans_pytorch runs, scoring, 3 "
             "torch.saves); the pseudo-label k-means measured with ref_kmeans_inits restarts and projected to 10; "
             "with as_released_subset, the as-released passes and steps projected from that many images. Every "
-            "summary ratio names the report paths of its numerator and denominator."
+            "summary ratio names the report paths of its numerator and denominator. Method rows: each method's fast "
+            "step against its published step (benchmarks/method_steps.py), its FLOPs from its published fp32 step."
         ),
     }
-    steps = StepBench(
-        args, device, {"measured_gemm": report["bf16_gemm_tflops"], "datasheet": report["bf16_datasheet_tflops"]}
-    )
+    peaks = {"measured_gemm": report["bf16_gemm_tflops"], "datasheet": report["bf16_datasheet_tflops"]}
+    steps = StepBench(args, device, peaks)
 
     def update() -> None:
         report["step"] = steps.report()
@@ -708,6 +765,8 @@ def run(args: argparse.Namespace, emit: Callable[[dict], None] = lambda report: 
     # short by a time limit keeps every other number; without it every variant runs in the order given.
     deferred = [v for v in args.variants if v in CUDA_ONLY] if args.epoch else []
     steps.run([v for v in args.variants if v not in deferred], update)
+    for method in args.methods:
+        bench_method(args, method, peaks, report, update)
     if args.epoch:
         data = epoch_data(args, device)
         for variant in args.epoch_variants:

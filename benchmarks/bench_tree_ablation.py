@@ -113,10 +113,10 @@ def run_variant(cfg, cached: dict) -> dict:
     source = CachedViewsSource(cached["views"], cached["targets"], cached["labelled"], cached["n_old"])
     n_views = cached["views"].shape[1] - 1
     trainer = Trainer(cfg, source, Backbone(torch.nn.Identity(), cached["views"].shape[2], None))
-    trainer.augment = CachedViews(n_views)
+    trainer.augment = trainer.evaluator.augment = CachedViews(n_views)  # the steps and the feature passes
     clock = Stopwatch()
     log = [trainer.train_epoch(epoch) for epoch in range(cfg.schedule.epochs)]
-    codes = evaluate_codes(trainer.evaluator())
+    codes = evaluate_codes(trainer.evaluator)
     out = {k: codes[k.removeprefix("code_")] for k in REPORTED}
     out["terms_first_last"] = {k: [log[0][k], log[-1][k]] for k in TERMS}
     out["seconds"] = round(clock.seconds(), 1)

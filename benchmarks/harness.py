@@ -19,6 +19,7 @@ Every benchmark runs from the repository root as a module: `python -m benchmarks
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import sys
@@ -133,6 +134,22 @@ def cuda_call_times(fn: Callable[[], object], device: torch.device, repeats: int
                 break
     sync(device)
     return CallTimes([a.elapsed_time(b) / 1e3 for a, b in pairs], host)
+
+
+class ItemLog:
+    """The losses a published loop reads with `loss.item()` after every step (a host sync each, as published);
+    `last()` checks every one finite and returns the last. `what` names the loop in the error."""
+
+    def __init__(self, what: str):
+        self.what, self.values = what, []
+
+    def record(self, loss: torch.Tensor) -> None:
+        self.values.append(loss.item())
+
+    def last(self) -> float:
+        if not all(math.isfinite(v) for v in self.values):
+            raise RuntimeError(f"{self.what}: non-finite loss")
+        return self.values[-1]
 
 
 def at(report: dict, path: str):

@@ -117,14 +117,14 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"checkpoint: {read}")
     if args.split == "test":
         centers = assignment_centers(trainer, args.run, args.checkpoint)
-        metrics = trainer.evaluator().evaluate_test(centers, trainer.cfg.data.shards)
+        metrics = trainer.evaluator.evaluate_test(centers, trainer.cfg.data.shards)
     else:
         metrics = trainer.evaluate()
     print_table({f"{args.checkpoint} ({args.split})": metrics}, trainer.cfg.train.eval_protocol)
     if args.split == "train" and trainer.model.labeller is not None:  # what the codes hold, on the same samples
         from .evaluation.code_metrics import evaluate_codes, format_code_measures
 
-        print(format_code_measures(evaluate_codes(trainer.evaluator())))
+        print(format_code_measures(evaluate_codes(trainer.evaluator)))
     return 0
 
 
@@ -233,7 +233,7 @@ def _estimate_k(args: argparse.Namespace) -> int:
         from .analysis.run_reader import trainer_from_run
 
         trainer = trainer_from_run(args.run)
-        fs = trainer.extract_features("test")
+        fs = trainer.evaluator.features("test")
         feats, targets, labelled = fs.feats.cpu().numpy(), fs.targets.cpu().numpy(), fs.labelled.cpu().numpy()
         n_old = trainer.source.n_old
     result = estimate_k(

@@ -9,6 +9,10 @@ Math (x_i = s_i f_i, s_i = 1 / max(||f_i||, NORM_EPS) for InfoNCE, s_i = 1 for S
 - `rowsum_normalize` (the codes' variant): dn_ij = d_ij / (S_j + eps), eps = ROW_SUM_EPS, S_j = sum_k d_jk over the kept
   columns, from a first pass.
 - Logits l_ij = -dn_ij / T, online log-sum-exp per row over column tiles (self and dropped rows masked).
+- InfoNCE's smoothing target (row i's label-smoothing mass s spread over the other columns): uniform 1/(N-1), or a
+  given matrix C [N, N] (`smoothing_target`, SelEx's confusion), rows free to sum to any W_i = sum_{j!=i} C_ij:
+  loss_i = (1 - s)(LSE_i - l_i,pos) + s (W_i LSE_i - sum_j C_ij l_ij), dL/dl_ij = p_ij ((1 - s) + s W_i)
+  - (1 - s)[j = pos(i)] - s C_ij. The target is a constant (no gradient); W_i is saved by the forward.
 - Backward: E_ij = dL/d(dn_ij) is rebuilt tile by tile from the saved per-row LSE (and 1/|P(i)| for SupCon). With
   `rowsum_normalize`, sigma_j = dL/dS_j = -sum_i E_ij d_ij / (S_j + eps)^2 is one more pass, and the gradient of the
   distance entry (i, j) is Gamma_ij = E_ij / (S_j + eps) + sigma_i (S_i sums row i, so d_ij feeds S_i). With
@@ -156,10 +160,11 @@ def _side(idx, N, sq_ptr, sq_stride, lab_ptr, NORMALIZE: tl.constexpr, SUPCON: t
 
 
 @triton.jit
-def _side_stats(idx, m, lse_ptr, aux_ptr, SUPCON: tl.constexpr):
-    """Saved per-row LSE and (SupCon) 1/|P(i)| of one tile side; InfoNCE has no 1/|P(i)| (aux_ptr None): zeros."""
+def _side_stats(idx, m, lse_ptr, aux_ptr, SUPCON: tl.constexpr, SOFT_TARGET: tl.constexpr):
+    """Saved per-row LSE and aux of one tile side: 1/|P(i)| (SupCon) or the smoothing target's row sum W_i (InfoNCE
+    with a `smoothing_target`); without either (aux_ptr None): zeros."""
     lse = tl.load(lse_ptr + idx, mask=m, other=0.0)
-    if SUPCON:
+    if SUPCON or SOFT_TARGET:
         aux = tl.load(aux_ptr + idx, mask=m, other=0.0)
     else:
         aux = tl.zeros_like(lse)
@@ -180,17 +185,38 @@ def _distances(g, sq_r, s_r, sq_c, s_c, pair):
 
 @triton.jit
 def _dloss_ddn(
-    dn, pair, a_idx, o_idx, a_lse, a_aux, a_lab, o_lab, coef, inv_t, smoothing, half, N, SUPCON: tl.constexpr
+    dn,
+    pair,
+    a_idx,
+    o_idx,
+    a_lse,
+    a_aux,
+    a_lab,
+    o_lab,
+    tgt_ptr,
+    coef,
+    inv_t,
+    smoothing,
+    half,
+    N,
+    SUPCON: tl.constexpr,
+    SOFT_TARGET: tl.constexpr,
 ):
-    """dL/d(dn) for anchor a, other o (broadcast tiles): InfoNCE with label `smoothing` or SupCon (which ignores
-    `smoothing`), times the upstream coefficient."""
+    """dL/d(dn) for anchor a, other o (broadcast tiles): InfoNCE with label `smoothing` (uniform, or spread as the
+    target C[a, o] at `tgt_ptr` says, a_aux = W_a) or SupCon (which ignores `smoothing`), times the upstream
+    coefficient."""
     p = tl.where(pair, tl.exp(tl.where(pair, -dn * inv_t - a_lse, 0.0)), 0.0)
     if SUPCON:
         w = tl.where(a_lab == o_lab, a_aux, 0.0) - p
         w = tl.where(a_aux > 0, w, 0.0)
     else:
         a_pos = tl.where(a_idx < half, a_idx + half, a_idx - half)
-        w = p - tl.where(o_idx == a_pos, 1.0 - smoothing, 0.0) - smoothing / (N - 1)
+        if SOFT_TARGET:
+            c = tl.load(tgt_ptr + a_idx.to(tl.int64) * N + o_idx, mask=pair, other=0.0)
+            w = p * ((1.0 - smoothing) + smoothing * a_aux) - tl.where(o_idx == a_pos, 1.0 - smoothing, 0.0)
+            w = w - smoothing * c
+        else:
+            w = p - tl.where(o_idx == a_pos, 1.0 - smoothing, 0.0) - smoothing / (N - 1)
     return tl.where(pair, (-inv_t * coef) * w, 0.0)
 
 
@@ -226,10 +252,13 @@ def _info_nce_supcon_fwd_kernel(
     sq_ptr,  # squared row norms G_ii: the diagonal of G (sq_stride N + 1) or a vector (sq_stride 1)
     sq_stride,
     lab_ptr,  # SupCon labels [N] (-1: row left out); None for InfoNCE
+    tgt_ptr,  # InfoNCE's smoothing target C [N, N] (contiguous, ACC dtype) when SOFT_TARGET, else None
     rowsum_ptr,  # row sums S_i = sum_j d_ij [N]: written by the ROWSUM_PASS launch, read by the next; None without
     lse_ptr,  # out: per-row log-sum-exp [N], kept for the backward; None in the ROWSUM_PASS launch
     out_ptr,  # out: per-row loss term [N]; None in the ROWSUM_PASS launch
-    aux_ptr,  # out (SupCon): 1 / |P(i)|, the inverse positive count, 0 for a row without a positive [N]; else None
+    # out [N]: SupCon's 1 / |P(i)|, the inverse positive count, 0 for a row without a positive; with SOFT_TARGET the
+    # target's row sum W_i = sum_{j != i} C_ij; else None
+    aux_ptr,
     # sizes
     N,  # rows (2B for InfoNCE)
     D,  # feature dimension
@@ -249,6 +278,7 @@ def _info_nce_supcon_fwd_kernel(
     NORMALIZE: tl.constexpr,  # L2-normalise the rows first (InfoNCE)
     FROM_G: tl.constexpr,  # read Gram tiles from g_ptr, else compute them with tl.dot
     ROWSUM_PASS: tl.constexpr,  # this launch only writes S_i
+    SOFT_TARGET: tl.constexpr,  # InfoNCE: the smoothing mass spread by tgt_ptr's C, else uniformly
     ACC: tl.constexpr,  # accumulation dtype: fp32, or fp64 for fp64 inputs
     BM: tl.constexpr,  # rows per program
     BN: tl.constexpr,  # columns per loop step
@@ -265,6 +295,7 @@ def _info_nce_supcon_fwd_kernel(
     sum_l = tl.zeros([BM], dtype=ACC)
     sum_pos = tl.zeros([BM], dtype=ACC)
     n_pos = tl.zeros([BM], dtype=ACC)
+    tgt_sum = tl.zeros([BM], dtype=ACC)  # SOFT_TARGET: W_i
     row_sum = tl.zeros([BM], dtype=ACC)
     for n0 in range(0, N, BN):
         cols = n0 + tl.arange(0, BN)
@@ -289,7 +320,12 @@ def _info_nce_supcon_fwd_kernel(
                 n_pos += tl.sum(same.to(ACC), axis=1)
                 sum_pos += tl.sum(tl.where(same, lg, 0.0), axis=1)
             else:
-                sum_l += tl.sum(tl.where(pair, lg, 0.0), axis=1)
+                if SOFT_TARGET:
+                    c = tl.load(tgt_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=pair, other=0.0)
+                    sum_l += tl.sum(c * lg, axis=1)
+                    tgt_sum += tl.sum(c, axis=1)
+                else:
+                    sum_l += tl.sum(tl.where(pair, lg, 0.0), axis=1)
                 sum_pos += tl.sum(tl.where(pair & (cols[None, :] == pos_r[:, None]), lg, 0.0), axis=1)
     if ROWSUM_PASS:
         tl.store(rowsum_ptr + rows, row_sum, mask=rmask)
@@ -303,7 +339,11 @@ def _info_nce_supcon_fwd_kernel(
             tl.store(lse_ptr + rows, tl.where(anchor, lse, 0.0), mask=rmask)
         else:
             smoothing = tl.cast(coef_hi, ACC) + tl.cast(coef_lo, ACC)
-            term = (1.0 - smoothing) * (lse - sum_pos) + smoothing * (lse - sum_l / (N - 1))
+            if SOFT_TARGET:
+                term = (1.0 - smoothing) * (lse - sum_pos) + smoothing * (tgt_sum * lse - sum_l)
+                tl.store(aux_ptr + rows, tgt_sum, mask=rmask)
+            else:
+                term = (1.0 - smoothing) * (lse - sum_pos) + smoothing * (lse - sum_l / (N - 1))
             tl.store(lse_ptr + rows, lse, mask=rmask)
         tl.store(out_ptr + rows, term, mask=rmask)
 
@@ -353,6 +393,7 @@ def _info_nce_supcon_bwd_kernel(
     sq_ptr,
     sq_stride,
     lab_ptr,
+    tgt_ptr,
     rowsum_ptr,
     sigma_ptr,  # sigma_i = dL/dS_i [N]: written by the SIGMA launch, read by the next; None without ROWSUM_NORMALIZE
     lse_ptr,
@@ -378,6 +419,7 @@ def _info_nce_supcon_bwd_kernel(
     NORMALIZE: tl.constexpr,
     FROM_G: tl.constexpr,
     SIGMA: tl.constexpr,  # this launch only writes sigma (launched with ROWSUM_NORMALIZE only)
+    SOFT_TARGET: tl.constexpr,
     ACC: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -389,7 +431,7 @@ def _info_nce_supcon_bwd_kernel(
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     r64 = rows.to(tl.int64)
     rmask, sq_r, s_r, lab_r, keep_r = _side(rows, N, sq_ptr, sq_stride, lab_ptr, NORMALIZE, SUPCON, ACC)
-    lse_r, aux_r = _side_stats(rows, rmask, lse_ptr, aux_ptr, SUPCON)
+    lse_r, aux_r = _side_stats(rows, rmask, lse_ptr, aux_ptr, SUPCON, SOFT_TARGET)
     if ROWSUM_NORMALIZE:
         S_r = tl.load(rowsum_ptr + rows, mask=rmask, other=1.0)
         if not SIGMA:
@@ -412,7 +454,7 @@ def _info_nce_supcon_bwd_kernel(
         cols = n0 + tl.arange(0, BN)
         c64 = cols.to(tl.int64)
         cmask, sq_c, s_c, lab_c, keep_c = _side(cols, N, sq_ptr, sq_stride, lab_ptr, NORMALIZE, SUPCON, ACC)
-        lse_c, aux_c = _side_stats(cols, cmask, lse_ptr, aux_ptr, SUPCON)
+        lse_c, aux_c = _side_stats(cols, cmask, lse_ptr, aux_ptr, SUPCON, SOFT_TARGET)
         pair = keep_r[:, None] & keep_c[None, :] & (rows[:, None] != cols[None, :])
         g = _gram_tile(x_ptr, g_ptr, rows, cols, N, D, stride_xr, stride_xc, FROM_G, ACC, BM, BN, BK, PREC)
         d, gp = _distances(g, sq_r, s_r, sq_c, s_c, pair)
@@ -433,12 +475,14 @@ def _info_nce_supcon_bwd_kernel(
             aux_c[None, :],
             lab_c[None, :],
             lab_r[:, None],
+            tgt_ptr,
             coef,
             inv_t,
             smoothing_or_ratio,
             half,
             N,
             SUPCON,
+            SOFT_TARGET,
         )
         if SIGMA:
             R += tl.sum(e2 * d, axis=1)
@@ -452,12 +496,14 @@ def _info_nce_supcon_bwd_kernel(
                 aux_r[:, None],
                 lab_r[:, None],
                 lab_c[None, :],
+                tgt_ptr,
                 coef,
                 inv_t,
                 smoothing_or_ratio,
                 half,
                 N,
                 SUPCON,
+                SOFT_TARGET,
             )
             if ROWSUM_NORMALIZE:
                 sig_c = tl.load(sigma_ptr + cols, mask=cmask, other=0.0)
@@ -535,6 +581,7 @@ class _Spec(NamedTuple):
     coef: float  # InfoNCE: label smoothing; SupCon: temperature / base_temperature
     rowsum_normalize: bool  # divide d_ij by (S_j + eps): the codes' variant
     from_g: bool  # Gram tiles read from a materialised G = F F^T, else computed with tl.dot
+    soft_target: bool = False  # InfoNCE: the smoothing mass spread by a given target matrix, else uniformly
 
     def kernel_args(self, acc: torch.dtype) -> dict:
         """The arguments every forward and backward launch takes alike: the scalars as fp32 hi/lo pairs, the
@@ -550,6 +597,7 @@ class _Spec(NamedTuple):
             ROWSUM_NORMALIZE=self.rowsum_normalize,
             NORMALIZE=not self.supcon,
             FROM_G=self.from_g,
+            SOFT_TARGET=self.soft_target,
             ACC=_TL_DTYPES[acc],
         )
 
@@ -581,10 +629,10 @@ def _gram_and_norms(features: Tensor, given_g: Tensor | None, from_g: bool, acc:
     return None, sq
 
 
-def _row_args(features: Tensor, spec: _Spec, acc: torch.dtype, g, sq, labels, rowsums) -> dict:
+def _row_args(features: Tensor, spec: _Spec, acc: torch.dtype, g, sq, labels, target, rowsums) -> dict:
     """The arguments the forward and backward row kernels take alike: F, G (None on the tiled path), the squared
-    norms (G itself on the Gram path, read along its diagonal), the labels and row sums (None where the loss has
-    none), the sizes, the scalars and switches, and the tile sizes."""
+    norms (G itself on the Gram path, read along its diagonal), the labels, smoothing target and row sums (None where
+    the loss has none), the sizes, the scalars and switches, and the tile sizes."""
     n, d = features.shape
     cfg = _config(acc, d)
     return dict(
@@ -593,6 +641,7 @@ def _row_args(features: Tensor, spec: _Spec, acc: torch.dtype, g, sq, labels, ro
         sq_ptr=sq,
         sq_stride=n + 1 if spec.from_g else 1,
         lab_ptr=labels,
+        tgt_ptr=target,
         rowsum_ptr=rowsums,
         N=n,
         D=d,
@@ -608,23 +657,23 @@ def _row_args(features: Tensor, spec: _Spec, acc: torch.dtype, g, sq, labels, ro
     )
 
 
-def _forward(features: Tensor, labels: Tensor | None, given_g: Tensor | None, spec: _Spec):
-    """The loss and what the backward reads: (loss, G or the squared norms, LSE, 1/|P(i)|, row sums, anchor count),
-    the last three None where the loss has none. Launches: sq_i (tiled path), S_i (codes' variant), the row terms,
-    the loss."""
+def _forward(features: Tensor, labels: Tensor | None, target: Tensor | None, given_g: Tensor | None, spec: _Spec):
+    """The loss and what the backward reads: (loss, G or the squared norms, LSE, 1/|P(i)| or W_i, row sums, anchor
+    count), the last three None where the loss has none. Launches: sq_i (tiled path), S_i (codes' variant), the row
+    terms, the loss."""
     n, d = features.shape
     dev = features.device
     acc = launch.compute_dtype(features.dtype)
     cfg = _config(acc, d)
     lse = launch.new_buffer((n,), acc, dev)
     out = launch.new_buffer((n,), acc, dev)
-    aux = launch.new_buffer((n,), acc, dev) if spec.supcon else None
+    aux = launch.new_buffer((n,), acc, dev) if spec.supcon or spec.soft_target else None
     rowsums = launch.new_buffer((n,), acc, dev) if spec.rowsum_normalize else None
     loss = launch.new_buffer((), acc, dev)
     cnt = launch.new_buffer((), acc, dev) if spec.supcon else None
     with launch.device_ctx(features):
         g, sq = _gram_and_norms(features, given_g, spec.from_g, acc, cfg)
-        rows = _row_args(features, spec, acc, g, sq, labels, rowsums)
+        rows = _row_args(features, spec, acc, g, sq, labels, target, rowsums)
         grid = (triton.cdiv(n, rows["BM"]),)
         if spec.rowsum_normalize:  # first pass: the row sums S_i that the distances are divided by
             _info_nce_supcon_fwd_kernel[grid](**rows, lse_ptr=None, out_ptr=None, aux_ptr=None, ROWSUM_PASS=True)
@@ -645,14 +694,16 @@ def _forward(features: Tensor, labels: Tensor | None, given_g: Tensor | None, sp
     return loss, g if spec.from_g else sq, lse, aux, rowsums, cnt
 
 
-def _backward(grad_out: Tensor, spec: _Spec, to_g: bool, features, labels, g_or_sq, lse, aux, rowsums, cnt) -> Tensor:
+def _backward(
+    grad_out: Tensor, spec: _Spec, to_g: bool, features, labels, target, g_or_sq, lse, aux, rowsums, cnt
+) -> Tensor:
     """dL/dF from the forward's saved tensors; with `to_g` (the loss was computed from a given Gram) the matrix M
     with dL/dF = M F instead. Launches: sigma (codes' variant), then dF (tiled path) or M (Gram path)."""
     n, d = features.shape
     dev = features.device
     acc = lse.dtype
     g = g_or_sq if spec.from_g else None
-    rows = _row_args(features, spec, acc, g, g_or_sq, labels, rowsums)
+    rows = _row_args(features, spec, acc, g, g_or_sq, labels, target, rowsums)
     rows.update(
         sigma_ptr=launch.new_buffer((n,), acc, dev) if spec.rowsum_normalize else None,
         lse_ptr=lse,
@@ -692,14 +743,17 @@ class _Gram(torch.autograd.Function):
 
 class _Contrastive(torch.autograd.Function):
     """One loss over `features`; with `given_g` (a `_Gram` of them) the loss is computed from it and its gradient
-    goes to `given_g` (M / 2: the backward's M is symmetric and d(F F^T) gives (dG + dG^T) F = M F)."""
+    goes to `given_g` (M / 2: the backward's M is symmetric and d(F F^T) gives (dG + dG^T) F = M F). `target`:
+    InfoNCE's smoothing target (checked, contiguous, in the compute dtype), a constant; None: uniform."""
 
     @staticmethod
-    def forward(ctx, features, labels, supcon, inv_t, smoothing_or_ratio, rowsum_normalize, gram, given_g=None):
+    def forward(
+        ctx, features, labels, supcon, inv_t, smoothing_or_ratio, rowsum_normalize, gram, given_g=None, target=None
+    ):
         from_g = gram == "mm" or given_g is not None
-        spec = _Spec(supcon, inv_t, smoothing_or_ratio, rowsum_normalize, from_g)
-        loss, *saved = _forward(features, labels, given_g, spec)
-        ctx.save_for_backward(features, labels, *saved)
+        spec = _Spec(supcon, inv_t, smoothing_or_ratio, rowsum_normalize, from_g, target is not None)
+        loss, *saved = _forward(features, labels, target, given_g, spec)
+        ctx.save_for_backward(features, labels, target, *saved)
         ctx.spec, ctx.to_g = spec, given_g is not None
         return loss
 
@@ -708,8 +762,8 @@ class _Contrastive(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad = _backward(grad_out, ctx.spec, ctx.to_g, *ctx.saved_tensors)
         if ctx.to_g:
-            return None, None, None, None, None, None, None, grad * 0.5
-        return grad, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, grad * 0.5, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------- public
@@ -729,8 +783,9 @@ def _check_positive(value, what: str, name: str) -> float:
     return value
 
 
-def _info_nce_args(features: Tensor, temperature, label_smoothing, name: str) -> tuple[float, float]:
-    """Checked (1 / temperature, label_smoothing) of an InfoNCE call."""
+def _info_nce_args(features: Tensor, temperature, label_smoothing, smoothing_target, name: str):
+    """Checked (1 / temperature, label_smoothing, the smoothing target as the kernels read it or None) of an InfoNCE
+    call."""
     _check_features(features, name)
     n = features.shape[0]
     if n < 2 or n % 2:
@@ -739,7 +794,16 @@ def _info_nce_args(features: Tensor, temperature, label_smoothing, name: str) ->
     smoothing = float(label_smoothing)
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"{name}: label_smoothing must be in [0, 1], got {smoothing}")
-    return inv_t, smoothing
+    if smoothing_target is None:
+        return inv_t, smoothing, None
+    launch.check_float_matrix(smoothing_target, name, "smoothing_target", "[N, N]")
+    if smoothing_target.shape != (n, n):
+        raise ValueError(
+            f"{name}: smoothing_target must be [N, N] for the {n} feature rows, got {tuple(smoothing_target.shape)}"
+        )
+    if smoothing_target.device != features.device:
+        raise ValueError(f"{name}: smoothing_target is on {smoothing_target.device} but features on {features.device}")
+    return inv_t, smoothing, smoothing_target.detach().to(launch.compute_dtype(features.dtype)).contiguous()
 
 
 def _supcon_args(features: Tensor, labels, temperature, base_temperature, name: str) -> tuple[Tensor, float, float]:
@@ -765,17 +829,20 @@ def info_nce_loss(
     temperature: float = 1.0,
     label_smoothing: float = 0.0,
     rowsum_normalize: bool = False,
+    smoothing_target: Tensor | None = None,
     *,
     gram: str | None = None,
 ) -> Tensor:
     """Euclidean InfoNCE over 2 views with label smoothing; see `reference.info_nce_loss`.
 
     `features` [2B, D] view-major, rows L2-normalised inside. Returns an fp32 scalar (fp64 for fp64 input).
-    `gram`: "triton" (tl.dot tiles, O(N D) memory), "mm" (torch.mm Gram), or None/"auto" (`GRAM`, size rule).
+    `smoothing_target` [2B, 2B]: where the smoothing mass goes (None: uniformly). `gram`: "triton" (tl.dot tiles,
+    O(N D) memory), "mm" (torch.mm Gram), or None/"auto" (`GRAM`, size rule).
     """
-    inv_t, smoothing = _info_nce_args(features, temperature, label_smoothing, "info_nce_loss")
+    inv_t, smoothing, target = _info_nce_args(features, temperature, label_smoothing, smoothing_target, "info_nce_loss")
     n, d = features.shape
-    return _Contrastive.apply(features, None, False, inv_t, smoothing, bool(rowsum_normalize), _pick_gram(n, d, gram))
+    path = _pick_gram(n, d, gram)
+    return _Contrastive.apply(features, None, False, inv_t, smoothing, bool(rowsum_normalize), path, None, target)
 
 
 def supcon_loss(
@@ -807,6 +874,7 @@ def info_nce_and_supcon(
     supcon_temperature: float = 0.07,
     base_temperature: float = 0.07,
     rowsum_normalize: bool = False,
+    smoothing_target: Tensor | None = None,
     *,
     gram: str | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
@@ -814,14 +882,14 @@ def info_nce_and_supcon(
     matrix: one GEMM forward and one backward for all the terms instead of one pair each. On the tiled ("triton") path
     there is no Gram matrix to share and the terms are computed one by one."""
     name = "info_nce_and_supcon"
-    inv_t, smoothing = _info_nce_args(features, temperature, label_smoothing, name)
+    inv_t, smoothing, target = _info_nce_args(features, temperature, label_smoothing, smoothing_target, name)
     sup_args = [_supcon_args(features, y, supcon_temperature, base_temperature, name) for y in supcon_labels]
     n, d = features.shape
     path = _pick_gram(n, d, gram)
     rowsum = bool(rowsum_normalize)
     if path != "mm":
-        nce = _Contrastive.apply(features, None, False, inv_t, smoothing, rowsum, path)
+        nce = _Contrastive.apply(features, None, False, inv_t, smoothing, rowsum, path, None, target)
         return nce, [_Contrastive.apply(features, lab, True, it, r, rowsum, path) for lab, it, r in sup_args]
     g = _Gram.apply(features, launch.compute_dtype(features.dtype))
-    nce = _Contrastive.apply(features, None, False, inv_t, smoothing, rowsum, path, g)
+    nce = _Contrastive.apply(features, None, False, inv_t, smoothing, rowsum, path, g, target)
     return nce, [_Contrastive.apply(features, lab, True, it, r, rowsum, path, g) for lab, it, r in sup_args]

@@ -68,12 +68,13 @@ def info_nce_loss(
     temperature: float = 1.0,
     label_smoothing: float = 0.0,
     rowsum_normalize: bool = False,
+    smoothing_target: Tensor | None = None,
     *,
     backend="auto",
 ) -> Tensor:
     """See `reference.info_nce_loss`."""
     fn = _impl("contrastive", "info_nce_loss", backend, features)
-    return fn(features, temperature, label_smoothing, rowsum_normalize)
+    return fn(features, temperature, label_smoothing, rowsum_normalize, smoothing_target)
 
 
 def supcon_loss(
@@ -98,11 +99,11 @@ def info_nce_and_supcon(
     supcon_temperature: float = 0.07,
     base_temperature: float = 0.07,
     rowsum_normalize: bool = False,
+    smoothing_target: Tensor | None = None,
     *,
     backend="auto",
 ) -> tuple[Tensor, list[Tensor]]:
     """See `reference.info_nce_and_supcon`; the fused version computes one Gram matrix for all the terms."""
     fn = _impl("contrastive", "info_nce_and_supcon", backend, features)
-    return fn(
-        features, supcon_labels, temperature, label_smoothing, supcon_temperature, base_temperature, rowsum_normalize
-    )
+    args = (temperature, label_smoothing, supcon_temperature, base_temperature, rowsum_normalize, smoothing_target)
+    return fn(features, supcon_labels, *args)

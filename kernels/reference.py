@@ -80,12 +80,18 @@ def contrastive_logits(x: Tensor, temperature: float, rowsum_normalize: bool) ->
 
 
 def info_nce_loss(
-    features: Tensor, temperature: float = 1.0, label_smoothing: float = 0.0, rowsum_normalize: bool = False
+    features: Tensor,
+    temperature: float = 1.0,
+    label_smoothing: float = 0.0,
+    rowsum_normalize: bool = False,
+    smoothing_target: Tensor | None = None,
 ) -> Tensor:
     """Euclidean InfoNCE over 2 views with label smoothing: CE(label_smoothing) over `info_nce_logits` (§3.1).
 
     Row i's positive is its other view (i ± B); the self column is dropped, so each row has 2B-1 classes and
-    loss_i = (1 - s)(-log p_pos) + s * mean_c(-log p_c).
+    loss_i = (1 - s)(-log p_pos) + s * mean_c(-log p_c). With `smoothing_target` C [2B, 2B] (a constant: no gradient
+    reaches it) the smoothing term is s * sum_{j != i} C_ij (-log p_ij) instead, C's rows free to sum to anything
+    (SelEx's soft targets, docs/reference.md §12.3).
     """
     n = features.shape[0]
     if n < 2 or n % 2:
@@ -95,8 +101,11 @@ def info_nce_loss(
     log_p = torch.log_softmax(logits.masked_fill(eye, float("-inf")), dim=1).masked_fill(eye, 0.0)
     rows = torch.arange(n, device=features.device)
     nll_positive = -log_p[rows, (rows + n // 2) % n]
-    nll_uniform = -log_p.sum(1) / (n - 1)
-    return ((1.0 - label_smoothing) * nll_positive + label_smoothing * nll_uniform).mean()
+    if smoothing_target is None:
+        nll_smoothed = -log_p.sum(1) / (n - 1)
+    else:
+        nll_smoothed = -(smoothing_target.detach().to(log_p.dtype).masked_fill(eye, 0.0) * log_p).sum(1)
+    return ((1.0 - label_smoothing) * nll_positive + label_smoothing * nll_smoothed).mean()
 
 
 def supcon_loss(
@@ -145,10 +154,11 @@ def info_nce_and_supcon(
     supcon_temperature: float = 0.07,
     base_temperature: float = 0.07,
     rowsum_normalize: bool = False,
+    smoothing_target: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """`info_nce_loss` and one `supcon_loss` per label vector on the same features (the fused twin shares their Gram
     matrix)."""
-    nce = info_nce_loss(features, temperature, label_smoothing, rowsum_normalize)
+    nce = info_nce_loss(features, temperature, label_smoothing, rowsum_normalize, smoothing_target)
     return nce, [
         supcon_loss(features, y, supcon_temperature, base_temperature, rowsum_normalize) for y in supcon_labels
     ]

@@ -29,7 +29,6 @@ from infosieve_fast.training.best_checkpoint import (
     holdout_accuracy,
     images_held_out_for_selection,
     kmeans_objective,
-    labels_hidden,
 )
 from infosieve_fast.training.checkpoint import load_checkpoint
 from infosieve_fast.training.engine import FeatureSet, Trainer
@@ -82,7 +81,7 @@ def test_the_best_is_the_logs_best_epoch_and_its_weights_score_it(holdout_run):
     assert kept["epoch"] == best["epoch"] and kept["best"] == best and "optimizer" not in kept
     assert load_checkpoint(holdout_run)["best"] == best  # the last checkpoint carries it for a resume
     trainer = trainer_from_run(holdout_run, "best")  # the kept weights give the recorded value again
-    assert BestCheckpoint(trainer.cfg.checkpoint, trainer.source).score(trainer.evaluator()) == best["value"]
+    assert BestCheckpoint(trainer.cfg.checkpoint, trainer.source).score(trainer.evaluator) == best["value"]
 
 
 def test_the_choice_never_reads_a_label_of_an_unlabelled_image(holdout_run, tmp_path):
@@ -118,26 +117,26 @@ def test_held_out_images_take_no_part_in_the_supervised_training(monkeypatch):
     cfg = smoke_config("checkpoint.best=labelled_holdout", "train.max_steps_per_epoch=3")
     trainer = Trainer(cfg)
     source, labelled = trainer.source, trainer.source.labelled
-    best = BestCheckpoint(trainer.cfg.checkpoint, trainer.source)
-    held = best.holdout
+    held = trainer.best.holdout
     assert int(held.sum()) == round(0.1 * int(labelled.sum())) and not bool((held & ~labelled).any())
     assert torch.equal(held, images_held_out_for_selection(source, 0.1, 0))
     assert not torch.equal(held, images_held_out_for_selection(source, 0.1, 1))
 
     steps, clustered = [], []
-    train_step, cluster = trainer.train_step, trainer.cluster
+    train_step, cluster = trainer.train_step, trainer.evaluator.cluster
     monkeypatch.setattr(trainer, "train_step", lambda batch, *a: steps.append(batch) or train_step(batch, *a))
-    monkeypatch.setattr(trainer, "cluster", lambda fs, **kw: clustered.append(fs.labelled.clone()) or cluster(fs, **kw))
-    with labels_hidden(trainer, best.holdout):
-        trainer.train_epoch(0)
+    record_labelled = lambda fs, **kw: clustered.append(fs.labelled.clone()) or cluster(fs, **kw)  # noqa: E731
+    monkeypatch.setattr(trainer.evaluator, "cluster", record_labelled)
+    trainer.train_epoch(0)
     assert len(steps) == 3 and len(clustered) == 1
     drawn = torch.cat([b.uq for b in steps])
     assert bool(held[drawn].any())  # held-out images were drawn, as unlabelled ones
     assert not any(bool((b.labelled & held[b.uq]).any()) for b in steps)
     assert all(torch.equal(b.labelled, labelled[b.uq] & ~held[b.uq]) for b in steps)
     assert torch.equal(clustered[0], labelled & ~held)  # no labelled anchor in the pseudo-label k-means
-    assert trainer.source is source  # outside the epoch the data is as it was
+    assert trainer.source is source and trainer.evaluator.source is source  # evaluations see the labels as they are
     assert torch.equal(torch.cat([b.labelled for b in source.feature_batches(512)]), labelled)
+    assert torch.equal(trainer.evaluator.features("test").labelled, labelled)
 
 
 def fake_trainer(n: int, *overrides: str) -> SimpleNamespace:
@@ -187,7 +186,7 @@ def test_kmeans_objective_keeps_the_lowest_and_reads_no_label(tmp_path):
     scores = []
     for permute in (False, True):
         trainer = Trainer(cfg, digits(cfg, permute_unlabelled=permute))
-        scores.append(BestCheckpoint(trainer.cfg.checkpoint, trainer.source).score(trainer.evaluator()))
+        scores.append(BestCheckpoint(trainer.cfg.checkpoint, trainer.source).score(trainer.evaluator))
     assert scores[0] == scores[1]
 
 
@@ -304,4 +303,4 @@ def test_under_ddp_every_rank_scores_alike_and_one_process_agrees(tmp_path):
     best = read_best(run)
     assert best["value"] == max(scored[0])
     trainer = trainer_from_run(run, "best")
-    assert BestCheckpoint(trainer.cfg.checkpoint, trainer.source).score(trainer.evaluator()) == best["value"]
+    assert BestCheckpoint(trainer.cfg.checkpoint, trainer.source).score(trainer.evaluator) == best["value"]

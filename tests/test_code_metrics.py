@@ -91,7 +91,7 @@ def test_eval_every_eval_and_tree_report_the_code_measures(tmp_path, capsys):
     from infosieve_fast.analysis.run_reader import trainer_from_run
     from infosieve_fast.evaluation.code_metrics import code_features
 
-    fs = code_features(trainer_from_run(run).evaluator())
+    fs = code_features(trainer_from_run(run).evaluator)
     unl = ~fs.labelled
     strings = code_strings(fs.feats[unl, :40], fs.feats[unl, 40:])
     nodes = Counter((s[:4], int(y)) for s, y in zip(strings, fs.targets[unl].tolist(), strict=True))

@@ -31,11 +31,13 @@ def fake_shards(folder: Path, dataset: str, check: str) -> Path:
 
 
 def restage(run: Path, out: Path, shards: Path, backbone="vit_base_patch16_224",
-            weights="dino_vitbase16_pretrain.pth") -> Path:  # fmt: skip
-    """A copy of a finished run whose config says it trained `backbone` with `weights` on `shards` (its numbers stay
-    the digits run's: what is under test is where they are shown)."""
+            weights="dino_vitbase16_pretrain.pth", method="infosieve") -> Path:  # fmt: skip
+    """A copy of a finished run whose config says it trained `method` and `backbone` with `weights` on `shards` (its
+    numbers stay the digits run's: what is under test is where they are shown)."""
     shutil.copytree(run, out)
     values = load_config(out / "config.yaml").to_dict()
+    if method != "infosieve":  # InfoSieve's own loss settings back at their defaults: another method's run has none
+        values["loss"], values["method"] = from_dict({}).to_dict()["loss"], method
     values["model"].update(backbone=backbone, pretrained=str(out.parent / "weights" / weights))
     values["data"].update(source="shards", shards=str(shards))
     values["train"]["train_subset"] = None
@@ -98,6 +100,58 @@ def test_published_rows_only_beside_runs_in_the_papers_setting(runs, tmp_path):
     assert "Not comparable with any run above" in " ".join(result["tables"][4]["notes"])
 
 
+def full_split(result: dict, dataset: str) -> dict:
+    """The accuracy table of the entries on `fake_shards`' full `dataset` with the paper's backbone."""
+    return table(result, f"on {dataset} (200 classes, 5,994 train images, the full official split): accuracy")
+
+
+def test_each_method_is_shown_beside_its_own_papers_row(runs, tmp_path):
+    """A GCD, SimGCD and SelEx run beside an InfoSieve run on full CUB: each method's own paper's CUB row (SimGCD's
+    from its README's paper columns; GCD's and SelEx's as transcribed), with the note saying where it was checked; on
+    Stanford Cars SelEx's All alone; on Aircraft no GCD row, said in a note; outside the paper's setting the rows go
+    to the published table of their own."""
+    base, _, paper_run = runs
+    cub = fake_shards(tmp_path / "cub", "cub", "ok")
+    staged = [restage(paper_run, tmp_path / m, cub, method=m) for m in ("selex", "gcd", "simgcd")]
+    result = compare.compare([paper_run, *staged], tmp_path / "page.html")
+    cub_table = full_split(result, "cub")
+    rows = {row[0]: row for row in cub_table["rows"]}
+    assert list(rows)[3:] == ["GCD (its own paper)", "SimGCD (its own paper)", "SelEx (its own paper)", "paper-run",
+                              "selex", "gcd", "simgcd"]  # fmt: skip
+    assert rows["GCD (its own paper)"][2:6] == ["—", "51.3", "56.6", "48.7"]
+    assert rows["SimGCD (its own paper)"][3:6] == ["60.3", "65.6", "57.7"]  # README: Paper (3 runs), CUB
+    assert rows["SelEx (its own paper)"][3:] == ["73.6", "75.3", "72.8", *["—"] * 6]
+    assert "Generalized Category Discovery. CVPR 2022" in rows["GCD (its own paper)"][1]
+    notes = " ".join(cub_table["notes"])
+    assert "SelEx (its own paper): NOT checked" in notes and "SimGCD (its own paper): every number checked" in notes
+
+    scars = fake_shards(tmp_path / "scars", "scars", "ok")
+    aircraft = fake_shards(tmp_path / "aircraft", "aircraft", "ok")
+    staged = [restage(paper_run, tmp_path / "s", scars, method="selex"),
+              restage(paper_run, tmp_path / "a", aircraft, method="gcd")]  # fmt: skip
+    result = compare.compare(staged, tmp_path / "p2.html")
+    (selex,) = [r for r in full_split(result, "scars")["rows"] if r[0] == "SelEx (its own paper)"]
+    assert selex[3:6] == ["58.5", "not transcribed", "not transcribed"]
+    aircraft_table = full_split(result, "aircraft")
+    assert not [r for r in aircraft_table["rows"] if "own paper" in r[0]]
+    assert "GCD's own paper: no aircraft row is transcribed here" in " ".join(aircraft_table["notes"])
+
+    subset = restage(paper_run, tmp_path / "sub", fake_shards(tmp_path / "sub-cub", "cub", "n/a"), method="simgcd")
+    result = compare.compare([subset], tmp_path / "p3.html")
+    published = table(result, "Published: CUB-200")
+    assert [r[0] for r in published["rows"]][-1] == "SimGCD (its own paper)"
+    assert not [r for r in result["tables"][0]["rows"] if r[0].endswith("paper)")]  # not beside the subset's run
+
+
+def test_the_method_papers_agree_with_the_infosieve_papers_transcription():
+    """SimGCD's own rows (its README) equal the SimGCD rows of the InfoSieve paper's tables, and GCD's CUB row its
+    GCD row: two transcriptions of the same numbers."""
+    theirs = {d: rows for t in compare.published()["tables"] for d, rows in t["rows"]["SimGCD"].items() if rows}
+    own = compare.method_papers()
+    assert own["simgcd"]["rows"] == theirs and len(theirs) == 7
+    assert own["gcd"]["rows"]["cub"] == compare.paper_datasets()["cub"]["rows"]["GCD"]["cub"]
+
+
 def test_sweep_cells_are_the_runs_statistics(runs, tmp_path):
     _, sweep_dir, _ = runs
     result = compare.compare([sweep_dir], tmp_path / "page.html")
@@ -113,6 +167,11 @@ def test_sweep_cells_are_the_runs_statistics(runs, tmp_path):
         (entry,) = [e for e in result["entries"] if e["label"] == f"sweep: loss.label_smoothing={point}"]
         assert entry["accuracy"]["v2"]["all"]["mean"] == pytest.approx(statistics.mean(m["all"] for m in metrics))
         assert entry["accuracy"]["v2"]["all"]["sd"] == pytest.approx(statistics.stdev(m["all"] for m in metrics))
+        before = [json.loads((sweep_dir / "runs" / f"loss.label_smoothing={point}-seed{s}" / "metrics.json")
+                             .read_text())["before"] for s in (1, 2)]  # fmt: skip
+        for part in ("all", "old", "new"):  # the evaluation before training, over the same runs
+            assert entry["before"][part]["mean"] == pytest.approx(statistics.mean(b[part] for b in before))
+            assert entry["before"][part]["sd"] == pytest.approx(statistics.stdev(b[part] for b in before))
     detail = result["tables"][1]
     assert all(row[-2] == "last, epoch 2" for row in detail["rows"])  # the checkpoint the numbers come from
 

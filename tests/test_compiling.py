@@ -164,13 +164,14 @@ def test_after_the_probe_a_run_compiles_nothing_more(monkeypatch):
     object reaches Dynamo's limit (past it, Dynamo would run the forward eagerly without an error)."""
     dynamo_tracing_only(monkeypatch)
     trainer = Trainer(split_vit_config())
-    trainer.compiled = compile_with_fallback(compiled_modules(trainer.model), "auto", FAKE_CUDA, trainer._trace_graphs)
+    modules = compiled_modules(trainer.model)
+    trainer.evaluator.compiled = compile_with_fallback(modules, "auto", FAKE_CUDA, trainer._trace_graphs)
     assert trainer.compiled.compiled, trainer.compiled.reason
     assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
     graphs = counters["stats"]["unique_graphs"]
     trainer.evaluate()
     trainer.train_epoch(0)
-    epoch_log(trainer.evaluator(), trainer.evaluate_full())  # the cache's replay and the codes
+    epoch_log(trainer.evaluator, trainer.evaluate_full())  # the cache's replay and the codes
     trainer.train_epoch(1)
     assert trainer.token_cache.replay("train") is not None
     assert counters["stats"]["unique_graphs"] == graphs
@@ -217,7 +218,7 @@ def test_a_class_that_fails_to_compile_runs_eager_and_the_epoch_record_names_it(
     monkeypatch.setattr(nn.Module, "compile", compile_failing_only(failing, where))
     trainer = Trainer(split_vit_config("train.eval_every=0"))
     modules = compiled_modules(trainer.model)
-    trainer.compiled = compile_with_fallback(modules, "auto", FAKE_CUDA, trainer._trace_graphs)
+    trainer.evaluator.compiled = compile_with_fallback(modules, "auto", FAKE_CUDA, trainer._trace_graphs)
     assert trainer.model.training and all(p.grad is None for p in trainer.model.parameters())
     error = "inductor: backward lowering failed" if where == "backward" else "inductor: lowering failed"
     why = f"torch.compile failed in {stage} (RuntimeError: {error})"
@@ -253,9 +254,9 @@ def test_a_smaller_batch_runs_padded_to_the_feature_batch_and_keeps_its_own_rows
         return model.features(batch)
 
     with torch.no_grad():
-        want = trainer.evaluator().full_batch(features, x)  # eager: as it is
-        trainer.compiled = CompileOutcome(True, "compiled", 0.0)
-        got = trainer.evaluator().full_batch(features, x)
+        want = trainer.evaluator.full_batch(features, x)  # eager: as it is
+        trainer.evaluator.compiled = CompileOutcome(True, "compiled", 0.0)
+        got = trainer.evaluator.full_batch(features, x)
     assert seen == [5, 32]
     assert got.shape == want.shape == (5, model.backbone.feat_dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -271,7 +272,7 @@ def test_the_configurations_of_one_process_all_compile_within_dynamos_limit(monk
         trainer = Trainer(split_vit_config("train.amp=bf16", "train.eval_every=0", *extra))
         trainer._autocast_cache = autocast_cache  # what train.cuda_graph sets on CUDA
         modules = compiled_modules(trainer.model)
-        trainer.compiled = compile_with_fallback(modules, "auto", FAKE_CUDA, trainer._trace_graphs)
+        trainer.evaluator.compiled = compile_with_fallback(modules, "auto", FAKE_CUDA, trainer._trace_graphs)
         trainer.train_epoch(0)
         assert trainer.compiled.compiled, trainer.compiled.reason
     assert counters["stats"]["unique_graphs"] > 2 * 9  # the three configurations' graphs (9 each at most) differ

@@ -84,7 +84,7 @@ def test_inductor_lowers_every_probed_graph_and_matches_eager(device):
     cfg = load_config("configs/demo.yaml", [f"train.device={device}", *TINY_SPLIT_VIT])
     eager, compiled = Trainer(cfg), Trainer(cfg)
     modules = compiled_modules(compiled.model)
-    compiled.compiled = compile_with_fallback(modules, "on", CUDA, compiled._trace_graphs)  # `on`: raises
+    compiled.evaluator.compiled = compile_with_fallback(modules, "on", CUDA, compiled._trace_graphs)  # `on`: raises
     assert compiled.compiled.path == COMPILED
     assert compiled.compiled.graphs == {"Block": COMPILED, "ProjectionHead": COMPILED}
     graphs = counters["stats"]["unique_graphs"]  # every graph below was lowered by the probe: none compiles later
@@ -107,7 +107,7 @@ def test_inductor_lowers_every_probed_graph_and_matches_eager(device):
 
     eager.model.load_state_dict(compiled.model.state_dict())
     for _ in range(2):  # the first test-view pass records the frozen prefix's tokens, the second replays them
-        want_fs, got_fs = eager.extract_features("test"), compiled.extract_features("test")
+        want_fs, got_fs = eager.evaluator.features("test"), compiled.evaluator.features("test")
         assert torch.equal(got_fs.uq, want_fs.uq)
         assert_near(got_fs.feats, want_fs.feats, "features")
     assert compiled.token_cache.replay("train") is not None

@@ -77,7 +77,7 @@ def _expected_thumbnails(run: Path) -> dict[int, list[int]]:
     the SS-k-means input) and the checkpoint's centres with numpy: the NEAREST pool images nearest the centre, then
     the AT_MARGIN others whose nearest other centre is least farther."""
     trainer = trainer_from_run(run)
-    fs = trainer.extract_features("test")
+    fs = trainer.evaluator.features("test")
     feats = dict(zip(fs.uq.tolist(), fs.feats.double().numpy(), strict=True))
     centers = torch.load(run / "checkpoint.pt", weights_only=True)["centers"].double().numpy()
     out = {}

@@ -129,9 +129,10 @@ PLAN = [
         "benchmarks/bench_tree.py makes the same shards from it)",
     ),
     Entry(
-        r"infosieve sweep --config configs/cub100-(tree|heldout)\.yaml .*",
+        r"infosieve sweep --config configs/cub100-(tree|heldout(-gcd|-simgcd|-selex)?)\.yaml .*",
         "parse",
-        "hours on 2 CPU cores (tests/test_sweep.py runs sweeps on the digits; bench_tree.py trains this config)",
+        "hours on 2 CPU cores (tests/test_sweep.py runs sweeps on the digits; bench_tree.py trains cub100-tree and "
+        "cub100-heldout, tests/test_methods_wiring.py a short run of each method)",
     ),
     Entry(
         r"infosieve compare runs/\S+ .*",
@@ -167,6 +168,7 @@ PLAN = [
         "run",
     ),
     Entry(r"python -m benchmarks\.tools\.provenance( --commit \S+)?", "run"),
+    Entry(r"python -m benchmarks\.plot_methods --out docs/\S+\.png", "run"),
 ]
 
 
@@ -248,6 +250,7 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
         command,
     )
     command = re.sub(r"--plots \S+", f"--plots {out}/plots", command)
+    command = re.sub(r"(?<=--out )docs/\S+\.png", lambda m: str(out / Path(m.group(0)).name), command)
     command = re.sub(r"(?<=--out )runs/\S+", str(out / "runs"), command)
     command = command.replace("$OUT", str(out)).replace("$(git rev-parse HEAD)", "smoke")
     command = re.sub(r"--commit C$", "--commit HEAD", command)

@@ -4,11 +4,13 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from infosieve_fast import cli
 from infosieve_fast.common.files import read_log
 from infosieve_fast.config.settings import load_config
 from infosieve_fast.data.reading.base import Batch
+from infosieve_fast.methods.selex_hierarchy import level_sizes
 from infosieve_fast.network.model import Backbone
 from infosieve_fast.training.checkpoint import load_checkpoint, restore_rng_state, rng_state, save_checkpoint
 from infosieve_fast.training.engine import Trainer
@@ -202,7 +204,13 @@ def test_a_training_step_never_waits_for_the_gpu(sized):
             )
             for b in batches
         )
-    for batch in (next(batches), next(batches)):  # kernel compilation and allocator growth outside the check
+    third_step_without_waiting(trainer, batches, pseudo, gen, monitor)
+
+
+def third_step_without_waiting(trainer: Trainer, batches, pseudo, gen, monitor: LossMonitor) -> None:
+    """Two steps (kernel compilation and allocator growth outside the check), then a third under
+    `set_sync_debug_mode("error")`, which raises if anything in it waits for the GPU; its loss is then read."""
+    for batch in (next(batches), next(batches)):
         trainer.train_step(batch, pseudo, gen, monitor)
     batch = next(batches)
     torch.cuda.synchronize()
@@ -212,6 +220,35 @@ def test_a_training_step_never_waits_for_the_gpu(sized):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert monitor.check() > 0 and monitor.steps == 3
+
+
+def step_labels(trainer: Trainer) -> torch.Tensor:
+    """The per-sample labels (by uq) a step of the trainer's method reads: a pseudo-label each, or (SelEx) one per
+    level of a hierarchy of random unit centres set on the method, sized as `selex_hierarchy.level_sizes` halves the
+    data's known and novel classes."""
+    n, n_old, device = trainer.source.n_train, trainer.source.n_old, trainer.device
+    gen = torch.Generator().manual_seed(0)
+    if trainer.method.labels != "hierarchy":
+        return torch.zeros(n, dtype=torch.long, device=device)
+    sizes = [old + new for old, new in level_sizes(n_old, trainer.source.n_classes - n_old)]
+    feat_dim = trainer.model.backbone.feat_dim
+    trainer.method.set_hierarchy([F.normalize(torch.randn(k, feat_dim, generator=gen), dim=1) for k in sizes])
+    return torch.stack([torch.randint(0, k, (n,), generator=gen) for k in sizes]).to(device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-sync detection needs CUDA")
+@pytest.mark.parametrize("method", ["gcd", "simgcd", "selex"])
+def test_each_methods_step_runs_without_a_host_sync(method):
+    """GCD's cosine terms, SimGCD's prototype cross-entropy, distillation and entropy, SelEx's confusion, soft-target
+    InfoNCE and level SupCons (the fused kernels): the whole step, as `test_a_training_step_never_waits_for_the_gpu`
+    checks InfoSieve's (gpu_check.sh's `methods-sync` step, run when named: the first calls compile the methods'
+    kernels, which the `resume` step's limit has no room for)."""
+    trainer = Trainer(load_config("configs/demo.yaml", [*SMOKE, "train.device=cuda", f"method={method}"]))
+    trainer.method.set_epoch(0)
+    pseudo = step_labels(trainer)
+    gen = torch.Generator(device=trainer.device).manual_seed(0)
+    batches = trainer.source.train_batches(64, epoch=0, seed=0)
+    third_step_without_waiting(trainer, batches, pseudo, gen, LossMonitor(0))
 
 
 def test_cli_errors_name_the_input_and_the_fix(tmp_path, capsys):

@@ -17,6 +17,7 @@ from infosieve_fast import cli
 from infosieve_fast.analysis import run_reader
 from infosieve_fast.common.files import read_log
 from infosieve_fast.config.settings import load_config
+from infosieve_fast.evaluation.evaluator import Evaluator
 from infosieve_fast.kmeans import semi_supervised_kmeans
 from infosieve_fast.network.loss import InfoSieveLoss
 from infosieve_fast.network.model import Backbone
@@ -45,10 +46,10 @@ class NaNOnRank1(NaNInTraining):
 
 def _spy(calls: list, totals: list) -> None:
     """Record every clustering (this rank's features and the table it got) and every step's loss, in this process."""
-    cluster, loss_call = eng.Trainer.cluster, InfoSieveLoss.__call__
+    cluster, loss_call = Evaluator.cluster, InfoSieveLoss.__call__
 
-    def spy_cluster(self, fs, seed, balanced):
-        result = cluster(self, fs, seed, balanced)
+    def spy_cluster(self, fs, seed, balanced, n_clusters=None):
+        result = cluster(self, fs, seed, balanced, n_clusters)
         calls.append(
             {
                 "fs": vars(fs),
@@ -66,7 +67,7 @@ def _spy(calls: list, totals: list) -> None:
         totals.append(float(total))
         return total, parts
 
-    eng.Trainer.cluster, InfoSieveLoss.__call__ = spy_cluster, spy_loss
+    Evaluator.cluster, InfoSieveLoss.__call__ = spy_cluster, spy_loss
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -187,7 +188,7 @@ def test_untrained_model_evaluates_as_in_one_process(ddp):
     """Feature pass + k-means + metrics of the same-seed untrained model: one process equals the two-process run."""
     _, res = ddp
     trainer = eng.Trainer(ddp_config())
-    fs = trainer.extract_features("test")
+    fs = trainer.evaluator.features("test")
     before = res[0]["calls"][0]["fs"]
     torch.testing.assert_close(fs.feats, torch.cat([before["feats"], res[1]["calls"][0]["fs"]["feats"]]))
     assert trainer.evaluate() == res[0]["full"]["before"]

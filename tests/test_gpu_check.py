@@ -36,6 +36,8 @@ def test_only_the_selected_steps_run(tmp_path):
     assert "| issue | target | measured | bound | holds | from |" in summary  # benchmarks/tools/gpu_targets.py's table
     for name in VALUE_ORDER[1:]:
         assert f"{name}: not selected (GPU_CHECK_STEPS=preflight)" in summary, name
+    for name in ("train-methods", "methods-sync"):
+        assert f"{name}: not selected (runs only when GPU_CHECK_STEPS names it)" in summary
 
 
 def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
@@ -60,6 +62,25 @@ def test_the_steps_run_in_value_order_and_their_limits_sum_to_the_budget():
     # an H200 gets the smaller budget, every limit scaled to it; the rehearsal may take longer on a busy CPU
     assert re.search(r"\*h200\*\) default_budget=(\d+) ;;", script).group(1) == str(H200_BUDGET_S)
     assert "local scaled=$((limit * BUDGET / LIMITS_TOTAL_S))" in script
+
+
+def test_the_method_rows_run_only_when_named_outside_the_budget():
+    """bench_train's method rows and the methods' no-host-sync check: steps of their own limits that the default queue
+    never runs (not `step`s, so not in the 360 s), selectable by name; the rows' command asks for the three methods'
+    rows alone, and the check's selection names an existing test."""
+    from benchmarks import bench_train
+
+    script = SCRIPT.read_text()
+    named = re.findall(r"^named_step (\S+) (\d+) ", script, re.MULTILINE)
+    assert named == [("train-methods", "120"), ("methods-sync", "40")]
+    assert re.search(r"^NAMED_ONLY_STEPS=(\S+)$", script, re.MULTILINE).group(1) == "train-methods,methods-sync"
+    command = re.search(r"^named_step train-methods \d+ (.*?--json \S+)$", script, re.MULTILINE | re.DOTALL).group(1)
+    argv = command.replace("\\\n", " ").split()
+    assert argv[:3] == ['"$PY"', "-m", "benchmarks.bench_train"]
+    args = bench_train.parse_args([a.replace('"$DEVICE"', "cpu") for a in argv[3:-2]])
+    assert (args.variants, args.methods, args.epoch) == ([], ["gcd", "simgcd", "selex"], False)
+    selection = re.search(r"^named_step methods-sync \d+ .* -k (\S+)", script, re.MULTILINE).group(1)
+    assert f"def test_{selection}(" in (ROOT / "tests" / "test_engine.py").read_text()
 
 
 def test_the_parity_step_selects_the_gpu_parity_tests(tmp_path):

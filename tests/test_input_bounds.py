@@ -6,6 +6,7 @@ upper bound, and CIFAR batches were read with `pickle.load`."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -220,3 +221,35 @@ def test_a_make_shards_label_outside_the_manifest_classes_is_refused_naming_the_
     assert str(err.value).startswith(
         f"{shard}: sample uq "
     ) and "has the .cls label 7, outside the manifest's 2" in str(err.value)
+
+
+def test_a_labelled_sample_of_a_novel_class_is_refused_when_the_shards_open(tmp_path):
+    """imagefolder with two classes: c0 known, c1 novel (the first half known). One c1 image's `.lab` flipped to 1 in
+    the shard is refused by name when the shards open, before any method trains on it (GCD and SimGCD run no
+    pseudo-label round whose check would catch it)."""
+    from infosieve_fast.data.reading.stream import ReadOptions, ShardSource
+    from infosieve_fast.data.shard_manifest import ManifestError
+    from infosieve_fast.data.writing.shards import make_shards
+
+    for c in range(2):
+        (tmp_path / "raw" / f"c{c}").mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (10, 12), (40 * i, 60 * c, 0)).save(tmp_path / "raw" / f"c{c}" / f"{i}.png")
+    make_shards("imagefolder", tmp_path / "raw", tmp_path / "out", resize=8, workers=1, progress=False)
+    options = ReadOptions(num_workers=0, cache="off", intake=IntakeConfig(index_cache=str(tmp_path / "i")))
+    assert ShardSource(tmp_path / "out", options).n_old == 1  # as written, it opens
+    [shard] = sorted((tmp_path / "out").glob("*-train-*.tar"))
+    with tarfile.open(shard) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        novel = next(n for n, m in members.items() if n.endswith(".cls") and tar.extractfile(m).read() == b"1")
+        lab = members[novel.removesuffix(".cls") + ".lab"]
+        assert tar.extractfile(lab).read() == b"0"
+    data = bytearray(shard.read_bytes())
+    data[lab.offset_data] = ord("1")  # the same length: the shard's recorded size still matches
+    shard.write_bytes(bytes(data))
+    fresh_index = dataclasses.replace(options, intake=IntakeConfig(index_cache=str(tmp_path / "j")))
+    with pytest.raises(ManifestError) as err:
+        ShardSource(tmp_path / "out", fresh_index)
+    said = str(err.value)
+    assert said.startswith(f"{shard}: sample uq ")
+    assert "is labelled with class 1 (c1), a novel one: labelled samples are of the manifest's 1 known" in said

@@ -183,6 +183,69 @@ def test_info_nce_strided_input_and_via_dispatch(gram, device, gen, monkeypatch)
     _compare(fn, ref.info_nce_loss, x, (0.5, 0.1, True), gram=gram)
 
 
+# --------------------------------------------------------------------------------- InfoNCE with a smoothing target
+
+
+def _soft_target(n, device, gen, dtype=torch.float64):
+    """A SelEx-like target: non-negative, zeros mixed in, rows summing to anything but 1, the diagonal non-zero (the
+    losses must ignore it)."""
+    c = torch.rand(n, n, generator=gen, dtype=torch.float64) * 3.0 / n
+    c[torch.rand(n, n, generator=gen) < 0.3] = 0.0
+    return c.to(device=device, dtype=dtype)
+
+
+def test_soft_target_twin_equals_the_published_selex_cross_entropy(device, gen):
+    """The torch twin with a smoothing target against SelEx's published form (`benchmarks/published/selex.py`: the
+    logits and the target laid out [positive, negatives] by mask selection, CrossEntropyLoss on the soft target); a
+    uniform target 1/(N-1) is the plain smoothed loss. Smoothing 0.25: the published one-hot is fp32, so 1 - s must be
+    exact there for an fp64 comparison."""
+    from benchmarks.published import selex as published
+
+    x, c = _features(16, 9, torch.float64, device, gen), _soft_target(16, device, gen)
+
+    def theirs(f):
+        logits, zeros, confs = published.info_nce_logits(f, c, temperature=0.5)
+        return published.label_smoothing_loss(logits, zeros, confs, 0.25)
+
+    ours = _run(ref.info_nce_loss, x, 0.5, 0.25, False, c)
+    torch.testing.assert_close(ours, _run(theirs, x), rtol=1e-12, atol=1e-14)
+    uniform = torch.full((16, 16), 1 / 15, dtype=torch.float64, device=device)
+    plain = _run(ref.info_nce_loss, x, 0.5, 0.4)
+    torch.testing.assert_close(_run(ref.info_nce_loss, x, 0.5, 0.4, False, uniform), plain, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.gpu_parity
+@pytest.mark.parametrize("gram", GRAMS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("is_code,smoothing", [(False, 1.0), (False, 0.3), (True, 0.3)])
+def test_info_nce_soft_target_matches_reference(gram, dtype, is_code, smoothing, device, gen, poisoned_buffers):
+    """Loss and gradient with a dense smoothing target, ragged against the test tiles (70 rows, 45 columns)."""
+    x = _features(70, 45, dtype, device, gen)
+    c = _soft_target(70, device, gen, dtype)
+    args = (0.5, smoothing, is_code, c)
+    _compare(C.info_nce_loss, ref.info_nce_loss, x, args, gram=gram, kwargs=dict(gram=gram), buffers=poisoned_buffers)
+
+
+@pytest.mark.parametrize("gram", GRAMS)
+def test_soft_target_through_the_shared_gram_and_the_dispatch(gram, device, gen, monkeypatch):
+    """`kernels.info_nce_and_supcon(..., smoothing_target=C, backend="triton")` (InfoNCE and SupCon from one Gram on
+    the "mm" path) equals the oracle; a uniform target gives the plain smoothed loss."""
+    monkeypatch.setattr(C, "GRAM", gram)
+    x = _features(38, 20, torch.float64, device, gen)
+    y, c = _labels(38, device, gen), _soft_target(38, device, gen)
+
+    def total(terms):
+        nce, (sup,) = terms
+        return 0.65 * nce + 0.35 * sup
+
+    fused = lambda f: total(kernels.info_nce_and_supcon(f, [y], 1.0, 0.5, smoothing_target=c, backend="triton"))
+    _compare(fused, lambda f: total(ref.info_nce_and_supcon(f, [y], 1.0, 0.5, smoothing_target=c)), x, (), gram=gram)
+    uniform = torch.full((38, 38), 1 / 37, dtype=torch.float64, device=device)
+    soft = _run(kernels.info_nce_loss, x, 1.0, 0.5, False, uniform, backend="triton")
+    plain = _run(kernels.info_nce_loss, x, 1.0, 0.5, backend="triton")
+    torch.testing.assert_close(soft, plain, rtol=1e-12, atol=1e-14)
+
+
 # -------------------------------------------------------------------------------------------------------- SupCon
 
 
@@ -342,12 +405,15 @@ def test_no_host_sync(gram, gen, monkeypatch):
     C.info_nce_loss(x, 1.0, 0.1, True, gram=gram)  # compile outside the check
     C.supcon_loss(x, y, 0.07, 0.07, True, gram=gram)
     C.info_nce_and_supcon(x, [y, y.flip(0)], gram=gram)
+    target = _soft_target(64, x.device, gen, torch.float32)
+    C.info_nce_loss(x, 1.0, 0.5, False, target, gram=gram)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         loss = C.info_nce_loss(x, 1.0, 0.1, True, gram=gram) + C.supcon_loss(x, y, 0.07, 0.07, True, gram=gram)
         nce, (a, b) = C.info_nce_and_supcon(x, [y, y.flip(0)], gram=gram)
-        (loss + nce + a + b).backward()
+        soft = C.info_nce_loss(x, 1.0, 0.5, False, target, gram=gram)
+        (loss + nce + a + b + soft).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -380,6 +446,12 @@ def test_errors(device):
         C.supcon_loss(x, y.float())
     with pytest.raises(ValueError, match="gram"):
         C.info_nce_loss(x, gram="cublas")
+    with pytest.raises(ValueError, match=r"smoothing_target must be 2-D \[N, N\]"):
+        C.info_nce_loss(x, 1.0, 0.5, False, torch.ones(36, device=device))
+    with pytest.raises(ValueError, match=r"smoothing_target must be \[N, N\] for the 6 feature rows"):
+        C.info_nce_loss(x, 1.0, 0.5, False, torch.ones(6, 5, device=device))
+    with pytest.raises(TypeError, match="smoothing_target must be a torch.Tensor"):
+        C.info_nce_and_supcon(x, [y], smoothing_target=[[1.0]])
     if device.type == "cuda":
         with pytest.raises(ValueError, match="labels are on"):
             C.supcon_loss(x, y.cpu())

@@ -560,12 +560,13 @@ def test_cluster_size_and_frozen_centres_reach_the_training_rounds_from_the_conf
 
     with pytest.raises(ConfigError, match=r"kmeans.cluster_size=63 x 5 clusters holds fewer than the 320 .* >= 64"):
         Trainer(smoke_config("kmeans.cluster_size=63", "kmeans.n_clusters=5"))
-    clustering = Trainer(smoke_config(*sets)).cluster(fs, seed=0, balanced=True)
+    clustering = Trainer(smoke_config(*sets)).evaluator.cluster(fs, seed=0, balanced=True)
     ref = reference(u.float(), l.float(), t, 5, variant="infosieve", cluster_size=80, kpp_deletion="fixed")
     assert torch.equal(clustering.labels, ref.labels_)
     assert clustering.inertia == pytest.approx(float(ref.inertia_), rel=1e-5)
 
-    frozen = Trainer(smoke_config(*sets, "kmeans.freeze_labelled_centers=true")).cluster(fs, seed=0, balanced=True)
+    frozen_trainer = Trainer(smoke_config(*sets, "kmeans.freeze_labelled_centers=true"))
+    frozen = frozen_trainer.evaluator.cluster(fs, seed=0, balanced=True)
     means = torch.stack([l[t == c].float().mean(0) for c in range(2)])
     torch.testing.assert_close(frozen.centers[:2], means)
     assert not torch.allclose(clustering.centers[:2], means)  # not frozen: the published Phase B moves them

@@ -62,6 +62,9 @@ def test_kpp_batching_across_restarts_keeps_the_seeds(monkeypatch, half_features
     assert torch.equal(together.labels, alone.labels) and together.inertia == alone.inertia
 
 
+RSS_COUNTER_SLACK = 2**20  # bytes
+
+
 def test_time_round_measures_the_library_call():
     rec = time_round(3000, 16, 20, "cpu", n_init=2, max_iter=3, distance_precision="bf16")
     u, l, t = scale_features(3000, 16, 20, "cpu", torch.float16)  # the same synthetic features (same seed)
@@ -72,7 +75,9 @@ def test_time_round_measures_the_library_call():
         3000, len(u), len(l), 3000 * 16 * 2,
     )  # fmt: skip
     assert (rec["inertia"], rec["n_iter"], rec["rechecked_rows"]) == (ref.inertia, ref.n_iter, ref.rechecked_rows)
-    assert rec["seconds"] > 0 and rec["peak_bytes_beyond_features"] >= 0
+    # the kernel syncs each thread's RSS count lazily, so the CPU's measure of a call that adds next to nothing can
+    # fall a few pages below zero (-12,288 bytes once in CI); far more than that would be a wrong measure
+    assert rec["seconds"] > 0 and rec["peak_bytes_beyond_features"] >= -RSS_COUNTER_SLACK
 
 
 def test_the_cpu200k_round_reports_its_seconds_and_peak_memory(tmp_path):

@@ -47,3 +47,16 @@ def test_unlabelled_targets_are_never_read_and_an_empty_labelled_batch_gives_zer
     assert_close(total, 0.65 * parts["infonce"], 1e-7, "total without a labelled sample")
     total.backward()
     assert torch.isfinite(projection.grad).all()
+
+
+def test_the_loss_traces_as_one_graph_without_breaks():
+    """No host sync or data-dependent Python branch in the loss (every row kept and masked, no boolean indexing):
+    dynamo sees one graph, as for SimGCD's (test_methods_simgcd.py)."""
+    targets, labelled = batch(4, B, N_CLASSES, N_OLD)
+    method = GCD()
+
+    def loss(projection):
+        return method(StepTensors(torch.zeros(2 * B, 4), projection, targets, labelled))[0]
+
+    explained = torch._dynamo.explain(loss)(torch.randn(2 * B, D))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)

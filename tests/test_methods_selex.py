@@ -1,6 +1,7 @@
 """SelEx's loss (`infosieve_fast.methods.selex`) against the published step transcribed in
 `benchmarks/published/selex.py` (docs/reference.md §12.3): loss terms, gradients and the radii, fp32, on the torch
-path and on the fused SupCon kernels (the Triton interpreter on the CPU); the radius rule by hand.
+path and on the fused kernels, every term of them (the Triton interpreter on the CPU, both Gram paths); the radius rule
+by hand.
 
 B = 8 (16 rows) keeps `torch.cdist` on its exact path. The backbone rows are drawn around the level-0 centres at the
 scale of the radii, so the zero-one confusion mixes zeros and ones (checked), as it must to test anything."""
@@ -70,8 +71,24 @@ def test_normalised_batch_features_switch_is_the_published_step_on_normalised_fe
     _compare(3, "torch", batch_features="normalized")
 
 
-def test_supcon_terms_on_the_fused_kernels_equal_the_published_step():
+@pytest.mark.parametrize("gram", ["mm", "triton"])
+def test_every_term_on_the_fused_kernels_equals_the_published_step(gram, monkeypatch):
+    """The soft-target InfoNCE and every SupCon run in the Triton kernels: one InfoNCE launch with the confusion as
+    its target, one SupCon per level plus the ground truth's, and the PyTorch twins never reached."""
+    from infosieve_kernels import contrastive_triton, reference
+
+    monkeypatch.setattr(contrastive_triton, "GRAM", gram)
+    for name in ("info_nce_loss", "supcon_loss", "info_nce_and_supcon"):
+        monkeypatch.setattr(reference, name, lambda *a, name=name, **k: pytest.fail(f"reference.{name} ran"))
+    losses, apply = [], contrastive_triton._Contrastive.apply
+
+    def recorded(features, labels, supcon, *args):
+        losses.append("supcon" if supcon else "soft infonce" if args[-1] is not None else "infonce")
+        return apply(features, labels, supcon, *args)
+
+    monkeypatch.setattr(contrastive_triton._Contrastive, "apply", recorded)
     _compare(0, "triton")
+    assert sorted(losses) == ["soft infonce"] + ["supcon"] * (1 + len(LEVEL_K))
 
 
 def test_radius_is_half_the_distance_to_the_nearest_other_centre():

@@ -120,10 +120,10 @@ def test_simgcd_evaluation_scores_the_argmax_of_its_prototypes():
     ev = trainer.evaluate_full()
     assert torch.equal(ev.clustering.labels, logits.argmax(1))
     assert torch.equal(logits.argmax(1)[picks], torch.arange(10))  # each picked image on its own prototype
-    fs = trainer.extract_features("test")
-    assert trainer.cluster_count.value == 10 and ev.clustering.centers.shape == (10, trainer.model.backbone.feat_dim)
+    fs = trainer.evaluator.features("test")
+    assert trainer.evaluator.k.value == 10 and ev.clustering.centers.shape == (10, trainer.model.backbone.feat_dim)
     unl = ~fs.labelled
-    assert ev.metrics == trainer.evaluator().score(fs.targets[unl], logits.argmax(1)[unl])
+    assert ev.metrics == trainer.evaluator.score(fs.targets[unl], logits.argmax(1)[unl])
 
 
 @pytest.mark.parametrize("method", ["gcd", "simgcd"])
@@ -135,6 +135,7 @@ def test_a_short_run_trains_resumes_evaluates_predicts_and_reports(method, tmp_p
     printed = capsys.readouterr().out
     next_steps = printed.split("next:")[1]
     assert "infosieve eval --run" in next_steps and "infosieve tree" not in next_steps  # a run without codes
+    assert "the cluster gallery" in next_steps and "the tree" not in next_steps
     assert "epoch 1/2  loss " in printed and " age " not in printed  # the labeller's schedule: InfoSieve's alone
     log = read_log(run / "log.jsonl")
     terms = {"gcd": {"infonce", "supcon"}, "simgcd": {"cls", "cluster", "distill", "memax", "infonce", "supcon"}}

@@ -24,7 +24,7 @@ def test_auto_estimates_k_once_before_training_and_keeps_it(tmp_path, capsys):
     )
     state = load_checkpoint(tmp_path / "run")
     fresh = Trainer(_cfg())  # the same seed: the same initial backbone
-    fs = fresh.extract_features("test")
+    fs = fresh.evaluator.features("test")
     want = estimate_k(fs.feats.numpy(), fs.targets.numpy(), fs.labelled.numpy(), fresh.source.n_old)["k"]
     assert state["n_clusters"] == want and len(state["centers"]) == want
 
@@ -34,7 +34,7 @@ def test_a_given_k_is_used_for_every_round(tmp_path):
     state = load_checkpoint(tmp_path / "run")
     assert state["n_clusters"] == 14 and state["centers"].shape[0] == 14
     default = Trainer(_cfg())
-    assert default.evaluator().clusters(default.extract_features("test")) == 10  # the digits
+    assert default.evaluator.clusters(default.evaluator.features("test")) == 10  # the digits
 
 
 @pytest.mark.parametrize("bad", ["'12'", "1", "true", "many"])

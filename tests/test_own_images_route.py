@@ -33,17 +33,22 @@ def _link_images(realdata, cls: str, lo: int, hi: int, folder) -> None:
         (folder / f"{cls}_{src.name}").symlink_to(src)
 
 
-@pytest.fixture(scope="module")
-def pool_run(realdata, tmp_path_factory):
-    """A finished 1-epoch run (K = 4) on your own images: 12 labelled images of each of 2 known CIFAR-10 classes, a
-    pool of 6 more of each and 18 of each of 2 novel classes; shards stored at 40 px (crop 32)."""
-    base = tmp_path_factory.mktemp("ownimages")
+def own_images(realdata, base) -> None:
+    """base/mine: 12 labelled images of each of 2 known CIFAR-10 classes, a pool of 6 more of each and 18 of each of
+    2 novel classes; base/shards: its shards stored at 40 px."""
     for cls in KNOWN:
         _link_images(realdata, cls, 0, 12, base / "mine" / "labelled" / cls)
         _link_images(realdata, cls, 12, 18, base / "mine" / "unlabelled")
     for cls in NOVEL:
         _link_images(realdata, cls, 0, 18, base / "mine" / "unlabelled" / "more")
     make_shards("discovery", base / "mine", base / "shards", resize=40, progress=False)
+
+
+@pytest.fixture(scope="module")
+def pool_run(realdata, tmp_path_factory):
+    """A finished 1-epoch run (K = 4) on `own_images` (crop 32)."""
+    base = tmp_path_factory.mktemp("ownimages")
+    own_images(realdata, base)
     cfg = load_config(
         "configs/demo.yaml",
         [*SMOKE[3:], "schedule.epochs=1", "data.source=shards", f"data.shards={base / 'shards'}",
@@ -221,7 +226,11 @@ def test_a_paper_config_on_another_paper_datasets_shards_warns(capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"the config '{name}' holds the paper's settings for cub" in err
         assert "the shards /s hold scars: train with configs/scars.yaml" in err
+    check_config_fits_shards("cub-simgcd", "scars", "/s")  # a method's paper config: the same method's for scars
+    err = capsys.readouterr().err.strip()
+    assert "the config 'cub-simgcd' holds the paper's settings for cub" in err
+    assert "train with configs/scars-simgcd.yaml, or --set name=scars-simgcd" in err
     for name, dataset in (("cub", "cub"), ("dinov2-cub", "discovery"), ("cub100-tree", "cubfiles"), ("demo", None),
-                          ("cub", "webdataset"), ("imagenet1k", "imagenet1k")):  # fmt: skip
+                          ("cub", "webdataset"), ("imagenet1k", "imagenet1k"), ("scars-selex", "scars")):  # fmt: skip
         check_config_fits_shards(name, dataset, "/s")
     assert capsys.readouterr().err == ""

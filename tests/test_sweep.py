@@ -20,6 +20,7 @@ from infosieve_fast.commands import sweep
 from infosieve_fast.common.files import read_log
 from infosieve_fast.config.settings import ConfigError, load_config
 from infosieve_fast.evaluation.metrics import evaluate_split
+from infosieve_fast.training import peak_memory as memory
 from infosieve_fast.training import run_folder
 from infosieve_fast.training.checkpoint import load_checkpoint
 from infosieve_fast.training.preemption import PREEMPTED_EXIT, Preempted
@@ -407,22 +408,22 @@ def resident_mapping(size: int) -> mmap.mmap:
 def test_peak_memory_per_epoch(monkeypatch):
     cpu = torch.device("cpu")
     held = resident_mapping(64 * 2**20)
-    assert run_folder.reset_peak_memory(cpu)
-    with_it = run_folder.peak_memory(cpu)["peak_rss_bytes"]  # the resident set now, with the 64 MiB
+    assert memory.reset_peak_memory(cpu)
+    with_it = memory.peak_memory(cpu)["peak_rss_bytes"]  # the resident set now, with the 64 MiB
     held.close()  # unmapped: the resident set falls by 64 MiB
-    assert run_folder.reset_peak_memory(cpu)
-    without = run_folder.peak_memory(cpu)["peak_rss_bytes"]
+    assert memory.reset_peak_memory(cpu)
+    without = memory.peak_memory(cpu)["peak_rss_bytes"]
     assert with_it - without >= 48 * 2**20  # the reset forgot the earlier peak
     again = resident_mapping(64 * 2**20)
-    assert run_folder.peak_memory(cpu)["peak_rss_bytes"] - without >= 48 * 2**20  # and the next one is seen
+    assert memory.peak_memory(cpu)["peak_rss_bytes"] - without >= 48 * 2**20  # and the next one is seen
     again.close()
     # CUDA: the allocator's peak since the epoch's reset (faked here: no GPU)
     calls = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 123 * 2**20)
     gpu = torch.device("cuda", 1)
-    assert run_folder.reset_peak_memory(gpu) and calls == [("reset", gpu)]
-    assert run_folder.peak_memory(gpu) == {"peak_gpu_bytes": 123 * 2**20}
+    assert memory.reset_peak_memory(gpu) and calls == [("reset", gpu)]
+    assert memory.peak_memory(gpu) == {"peak_gpu_bytes": 123 * 2**20}
     # where the peak cannot be reset, no peak is recorded (the process's peak would not be the epoch's)
-    monkeypatch.setattr(run_folder.Path, "write_text", lambda self, text: (_ for _ in ()).throw(PermissionError()))
-    assert not run_folder.reset_peak_memory(cpu)
+    monkeypatch.setattr(memory.Path, "write_text", lambda self, text: (_ for _ in ()).throw(PermissionError()))
+    assert not memory.reset_peak_memory(cpu)

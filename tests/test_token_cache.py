@@ -43,31 +43,31 @@ def assert_same_features(a, b):
 
 def test_replayed_test_view_features_equal_recomputed_ones_before_and_after_training(monkeypatch):
     cached, plain = trainer(), trainer("train.token_cache=off")
-    first = cached.extract_features("test")
+    first = cached.evaluator.features("test")
     assert cached.token_cache.placement == {"train": "cpu"} and len(cached.token_cache.splits["train"]) == 3
-    assert_same_features(first, plain.extract_features("test"))
+    assert_same_features(first, plain.evaluator.features("test"))
     for t in (cached, plain):
         t.train_epoch(0)  # the trained blocks and the head change; the frozen prefix does not
     monkeypatch.setattr(cached.source, "feature_batches", no_images)
-    after = cached.extract_features("test")
-    assert_same_features(after, plain.extract_features("test"))
+    after = cached.evaluator.features("test")
+    assert_same_features(after, plain.evaluator.features("test"))
     assert not torch.equal(after.feats, first.feats)  # training did change the features
     # the codes' pass replays the tokens too
-    assert_same_features(code_features(cached.evaluator()), code_features(plain.evaluator()))
+    assert_same_features(code_features(cached.evaluator), code_features(plain.evaluator))
     assert plain.token_cache.splits == {}
 
 
 def test_the_augmented_pass_never_uses_the_cache(monkeypatch):
     cached = trainer()
-    cached.extract_features("test")
+    cached.evaluator.features("test")
     monkeypatch.setattr(cached.token_cache, "replay", no_images)
     monkeypatch.setattr(cached.token_cache, "recorder", no_images)
-    cached.extract_features("train", seed=3)
+    cached.evaluator.features("train", seed=3)
 
 
 def test_loading_weights_forgets_the_tokens():
     cached = trainer()
-    cached.extract_features("test")
+    cached.evaluator.features("test")
     cached.load_model_state({"model": cached.model.state_dict()})
     assert cached.token_cache.splits == {} and cached.token_cache.placement == {}
 
@@ -75,7 +75,7 @@ def test_loading_weights_forgets_the_tokens():
 def test_tokens_that_do_not_fit_are_recomputed_every_pass(capsys):
     cached, plain = trainer("data.memory_threshold_mb=0.01"), trainer("train.token_cache=off")
     for _ in range(2):
-        assert_same_features(cached.extract_features("test"), plain.extract_features("test"))
+        assert_same_features(cached.evaluator.features("test"), plain.evaluator.features("test"))
     assert cached.token_cache.placement == {"train": "recompute"} and cached.token_cache.splits == {}
     assert "nowhere: recomputed every pass" in capsys.readouterr().err
 
@@ -86,14 +86,14 @@ def test_a_prefix_with_running_statistics_is_not_cached():
     assert backbone.prefix_is_pure
     backbone.net.blocks[0].add_module("stats", nn.BatchNorm1d(4))  # frozen, yet updated by every training forward
     assert not backbone.prefix_is_pure
-    cached.extract_features("test")
+    cached.evaluator.features("test")
     assert cached.token_cache.splits == {}
 
 
 def test_a_backbone_without_a_frozen_prefix_is_not_cached():
     cached = Trainer(load_config("configs/demo.yaml", [*TINY_VIT[:-1], "model.grad_from_block=null"]))
     assert not cached.model.backbone.prefix_is_pure
-    cached.extract_features("test")
+    cached.evaluator.features("test")
     assert cached.token_cache.splits == {}
 
 
@@ -128,10 +128,10 @@ def test_the_test_split_replays_its_tokens_too(realdata, tmp_path, monkeypatch):
     shards = cifar_shards(realdata, tmp_path)
     cached, plain = trainer(*shards), trainer(*shards, "train.token_cache=off")
     centers = torch.nn.functional.normalize(torch.randn(3, cached.model.backbone.feat_dim), dim=1)
-    first = cached.evaluator().evaluate_test(centers)
+    first = cached.evaluator.evaluate_test(centers)
     assert cached.token_cache.placement == {"test": "cpu"}
     monkeypatch.setattr(cached.source, "test_batches", no_images)
-    assert cached.evaluator().evaluate_test(centers) == first == plain.evaluator().evaluate_test(centers)
+    assert cached.evaluator.evaluate_test(centers) == first == plain.evaluator.evaluate_test(centers)
 
 
 @pytest.mark.parametrize("frozen_bf16", ["false", "true"])
@@ -143,14 +143,14 @@ def test_efficientnet_lite0_replays_its_frozen_blocks_output(realdata, tmp_path,
              "model.grad_from_block=15", f"train.frozen_bf16={frozen_bf16}"]  # fmt: skip
     cached, plain = trainer(*lite0), trainer(*lite0, "train.token_cache=off")
     assert cached.model.backbone.prefix_is_pure
-    first = cached.extract_features("test")
+    first = cached.evaluator.features("test")
     assert cached.token_cache.placement == {"train": "cpu"}
     stored = cached.token_cache.splits["train"][0].tokens.dtype
     assert stored == (torch.bfloat16 if frozen_bf16 == "true" else torch.float32)
-    assert_same_features(first, plain.extract_features("test"))
+    assert_same_features(first, plain.evaluator.features("test"))
     for t in (cached, plain):
         t.train_epoch(0)
     monkeypatch.setattr(cached.source, "feature_batches", no_images)
-    after = cached.extract_features("test")
-    assert_same_features(after, plain.extract_features("test"))
+    after = cached.evaluator.features("test")
+    assert_same_features(after, plain.evaluator.features("test"))
     assert not torch.equal(after.feats, first.feats)

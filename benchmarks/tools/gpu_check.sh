@@ -28,6 +28,11 @@
 #   kernels      15  bench_kernels, the training shapes first, each case written as it ends
 #   resume       15  a run killed after epoch 1 and resumed on CUDA; a step under set_sync_debug_mode("error")
 #   demo         20  the demo on CUDA (its projection head compiled first)
+# Steps that run only when GPU_CHECK_STEPS names them, each under its own limit, outside the budget (never in a default
+# run, never scaled):
+#   train-methods 120  bench_train's method rows: GCD's, SimGCD's and SelEx's step (the compiled default with the
+#                    method) against each method's published step, fp32 and bf16; each variant written as it ends
+#   methods-sync  40  GCD's, SimGCD's and SelEx's training step under set_sync_debug_mode("error")
 # Then the issues' targets against what the run measured (benchmarks/tools/gpu_targets.py) go into summary.txt and
 # targets.json. To commit one: python -m benchmarks.tools.gpu_targets <card>-gpu-check.tar.gz --into benchmarks/results
 # (each file as <card>-<file>, never over an existing one).
@@ -47,10 +52,11 @@ RESULTS=${1:-${RESULTS_DIR:-$default_results}}
 PY=${PYTHON:-python3}
 LIMITS_TOTAL_S=360
 STEP_NAMES=preflight,train-step,kmeans-in1k,epoch-in1k,cache-herb19,parity,cub-epoch,kernels,resume,demo
+NAMED_ONLY_STEPS=train-methods,methods-sync
 selection=${GPU_CHECK_STEPS:-}
 for selected in ${selection//,/ }; do
-  if [[ ",$STEP_NAMES," != *",$selected,"* ]]; then
-    echo "GPU_CHECK_STEPS: no step is called '$selected'; the steps: $STEP_NAMES" >&2
+  if [[ ",$STEP_NAMES,$NAMED_ONLY_STEPS," != *",$selected,"* ]]; then
+    echo "GPU_CHECK_STEPS: no step is called '$selected'; the steps: $STEP_NAMES; when named: $NAMED_ONLY_STEPS" >&2
     exit 2
   fi
 done
@@ -109,6 +115,20 @@ step() {  # step NAME LIMIT_S CMD...: run under min(LIMIT_S scaled to the budget
     failed=1
     return
   fi
+  run_step "$name" "$secs" "$@"
+}
+
+named_step() {  # named_step NAME LIMIT_S CMD...: only when GPU_CHECK_STEPS names it, under its own LIMIT_S
+  local name=$1 limit=$2; shift 2
+  if [[ ",${GPU_CHECK_STEPS:-}," != *",$name,"* ]]; then
+    echo "$name: not selected (runs only when GPU_CHECK_STEPS names it)" | tee -a "$summary"
+    return
+  fi
+  run_step "$name" "$limit" "$@"
+}
+
+run_step() {  # run_step NAME SECS CMD...: run under SECS, log, record, pack
+  local name=$1 secs=$2; shift 2
   echo "=== $name (timeout ${secs}s): $*"
   local t0=$SECONDS rc
   set -o pipefail
@@ -170,6 +190,12 @@ demo_epochs=()
 step demo 20 "$PY" -m infosieve_fast.cli train --config configs/demo.yaml --out "$work/demo-run" \
   --set train.device="$DEVICE" "${demo_epochs[@]}"
 cp "$work/demo-run/metrics.json" "$out/demo-metrics.json" 2>/dev/null
+
+named_step train-methods 120 "$PY" -m benchmarks.bench_train --device "$DEVICE" --variants none \
+  --methods gcd,simgcd,selex --json "$out/train-methods.json"
+
+named_step methods-sync 40 "$PY" -m pytest tests/test_engine.py -k each_methods_step_runs_without_a_host_sync \
+  -q -rfEs -p no:cacheprovider
 
 # the issues' targets against this run's results (benchmarks/tools/gpu_targets.py), into the summary and targets.json
 { echo; "$PY" -m benchmarks.tools.gpu_targets "$out" --json "$out/targets.json"; } >>"$summary" 2>&1 \

@@ -79,7 +79,8 @@ def place_clusters(
     the known classes in the tree); `clustering`: {"uq", "targets", "preds", "n_old"} of the unlabelled train samples
     (the pool's target is NO_LABEL); `centers` [K, D]: the clustering's centres; `given`: RUN/names.json's names."""
     n_old = int(clustering["n_old"])
-    known_codes = {c: [codes[u] for u, t in targets.items() if t == c] for c in range(n_old)}
+    # `codes` is empty for a method that learns none (`carries` False): only the feature-space hints
+    known_codes = {c: [codes[u] for u, t in targets.items() if t == c] for c in range(n_old)} if carries else {}
     pool = np.asarray(clustering["targets"]) == NO_LABEL
     uq, preds = np.asarray(clustering["uq"])[pool], np.asarray(clustering["preds"])[pool]
     places = []

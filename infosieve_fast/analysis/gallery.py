@@ -1,7 +1,9 @@
 """The report's discovery gallery (runs on your own images): per cluster, novel ones first, thumbnails of the pool
 images nearest its centre and of a few at its margin (nearest to another cluster), each titled with its file; beside
 each novel cluster its size, the known classes nearest it and, where the codes carry the classes, its place in the
-category tree (`cluster_places.py`, `code_separation.py`).
+category tree (`cluster_places.py`, `code_separation.py`). Every method has the gallery and the nearest known classes
+(its clusters: SS-k-means, or the argmax of SimGCD's prototypes, whose centres are the prototypes); the place in the
+tree is InfoSieve's alone, the one method that learns codes.
 
 Thumbnails are small JPEG files written once under RUN/report/thumbs/ (one per image, reused by later reports) and
 referenced by relative paths with lazy loading, so a run of a thousand clusters stays a page a browser opens quickly.
@@ -19,6 +21,7 @@ from ..common.labels import NO_LABEL
 from ..common.limits import open_image
 from ..evaluation.code_separation import code_separation, separation_text
 from ..evaluation.discovery import cluster_name
+from ..methods import METHODS
 from .cluster_places import place_clusters, place_text
 from .pool_view import PoolView, pool_view
 from .run_images import RunImages, run_images
@@ -35,8 +38,8 @@ STYLE = (
 
 @dataclass(frozen=True)
 class Gallery:
-    """What the section shows: the clustering and its centres, the pass's distances and codes, the image files and the
-    names."""
+    """What the section shows: the clustering and its centres, the pass's distances and codes, the image files, the
+    names and the run's `method:`."""
 
     clustering: dict
     view: PoolView
@@ -44,6 +47,7 @@ class Gallery:
     class_names: list[str]
     centers: np.ndarray
     given: dict[int, str]
+    method: str
 
 
 def chosen_images(members: list[int], view: PoolView) -> tuple[list[int], list[int]]:
@@ -99,29 +103,46 @@ def gallery_html(run: Path, g: Gallery, depth: int) -> str:
     pool = (np.asarray(c["targets"]) == NO_LABEL) & np.isin(np.asarray(c["uq"]), list(g.view.distance))
     uq, preds = np.asarray(c["uq"])[pool], np.asarray(c["preds"])[pool]
     members = {k: uq[preds == k].tolist() for k in np.unique(preds).tolist()}
-    separation = code_separation(g.view.codes, g.view.targets)
-    places = place_clusters(
-        g.view.codes, g.view.targets, c, g.class_names, g.centers, g.given, depth, separation["carries"]
-    )
+    separation = code_separation(g.view.codes, g.view.targets) if g.view.codes else None
+    carries = separation is not None and separation["carries"]
+    places = place_clusters(g.view.codes, g.view.targets, c, g.class_names, g.centers, g.given, depth, carries)
     by_cluster = {p["cluster"]: p for p in places}
     n_old = int(c["n_old"])
     order = [p["cluster"] for p in places] + sorted(k for k in members if k < n_old)
     sections = "".join(cluster_html(run, k, members[k], g, by_cluster.get(k)) for k in order)
     intro = (
-        f"Every cluster with pool images, novel ones first: up to {NEAREST} images nearest its centre, then up to "
-        f"{AT_MARGIN} at its margin (nearest to another cluster); hover an image for its file. Beside a novel "
-        "cluster, the known classes whose cluster centres lie nearest its own in the features (with the distances) "
-        "and, where the codes carry the classes, its place in the tree: the code prefix most of its images share, and "
-        "the known classes whose prefix shares the most digits with it. Name a cluster with `infosieve name --run RUN "
-        "novel-K=NAME`."
+        f"{made_by(g.method)} Every cluster with pool images, novel ones first: up to {NEAREST} images nearest its "
+        f"centre, then up to {AT_MARGIN} at its margin (nearest to another cluster); hover an image for its file. "
+        "Beside a novel cluster, the known classes whose cluster centres lie nearest its own in the features (with "
+        "the distances) and, where the codes carry the classes, its place in the tree: the code prefix most of its "
+        "images share, and the known classes whose prefix shares the most digits with it. Name a cluster with "
+        "`infosieve name --run RUN novel-K=NAME`."
     )
-    codes = separation_text(separation)
+    codes = separation_text(separation) if separation is not None else no_codes_text(g.method)
     return f"{STYLE}<h2>Discovery: the clusters</h2><p>{html.escape(intro)}</p><p>{html.escape(codes)}</p>{sections}"
 
 
-def run_gallery(run: Path, clustering: dict, checkpoint: str, depth: int) -> tuple[str, dict]:
+def made_by(method: str) -> str:
+    """How the run's clusters were made, and so what their centres are."""
+    if METHODS[method].predicts == "head":
+        return (
+            f"The clusters come from method {method}'s prototype head (each image in the cluster of its largest "
+            "logit); a cluster's centre is its prototype."
+        )
+    return "The clusters come from SS-k-means on the L2-normalised backbone features, with its centres."
+
+
+def no_codes_text(method: str) -> str:
+    """The line in place of `separation_text` for a method without codes."""
+    return (
+        f"Method {method} learns no codes, so no cluster has a place in the category tree (only method=infosieve "
+        "learns the codes whose prefixes make the tree): the nearest known classes in the features are the hints."
+    )
+
+
+def run_gallery(run: Path, clustering: dict, checkpoint: str, depth: int) -> tuple[str, dict | None]:
     """The gallery section of the run's last (or best) checkpoint, and the category tree of the same pass's codes to
-    `depth` (what the report draws when no tree.json was written)."""
+    `depth` (what the report draws when no tree.json was written; None for a method without codes)."""
     from ..evaluation.tree import build_tree
     from .cluster_names import checkpoint_names
     from .run_reader import assignment_centers, read_run
@@ -134,7 +155,10 @@ def run_gallery(run: Path, clustering: dict, checkpoint: str, depth: int) -> tup
     centers = assignment_centers(trainer, run, checkpoint)
     view = pool_view(trainer, centers, clusters)
     names = list(trainer.source.class_names)
-    g = Gallery(clustering, view, images, names, centers.cpu().numpy(), checkpoint_names(run, checkpoint))
+    given = checkpoint_names(run, checkpoint)
+    g = Gallery(clustering, view, images, names, centers.cpu().numpy(), given, trainer.cfg.method)
+    if not view.codes:  # a method without codes: no tree
+        return gallery_html(run, g, depth), None
     uqs = sorted(view.codes)
     tree = build_tree([view.codes[u] for u in uqs], [view.targets[u] for u in uqs], depth) | {"class_names": names}
     return gallery_html(run, g, depth), tree

@@ -97,7 +97,7 @@ def code_tree(run_dir: str | Path, max_depth: int = 8, checkpoint: str = "last")
     from .cluster_places import place_clusters
 
     trainer, read = read_run(run_dir, checkpoint)
-    fs = code_features(trainer.evaluator())
+    fs = code_features(trainer.evaluator)
     tree = trainer_tree(trainer, max_depth, fs) | {"checkpoint": read}
     if not (fs.targets == NO_LABEL).any():
         return tree
@@ -133,12 +133,12 @@ def assignment_centers(trainer: Trainer, run_dir: str | Path, checkpoint: str) -
 def trainer_tree(trainer: Trainer, max_depth: int = 8, fs=None) -> dict:
     """The implicit category tree of a trainer's weights: codes of the train samples (test view), cut by the mask.
     The root also holds `measures`: `code_metrics.evaluate_codes` of the same codes (on the unlabelled samples).
-    `fs`: `code_metrics.code_features(trainer.evaluator())`, if already computed."""
+    `fs`: `code_metrics.code_features(trainer.evaluator)`, if already computed."""
     from ..evaluation.code_metrics import code_features, evaluate_codes
 
-    fs = fs if fs is not None else code_features(trainer.evaluator())
+    fs = fs if fs is not None else code_features(trainer.evaluator)
     length = trainer.cfg.model.code_length
     tree = build_tree(code_strings(fs.feats[:, :length], fs.feats[:, length:]), fs.targets.cpu(), max_depth)
-    tree["measures"] = evaluate_codes(trainer.evaluator(), fs)
+    tree["measures"] = evaluate_codes(trainer.evaluator, fs)
     tree["class_names"] = list(trainer.source.class_names)  # target order: what the report labels nodes with
     return tree

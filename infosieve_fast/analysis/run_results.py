@@ -173,9 +173,11 @@ def spread(values: list[float]) -> dict | None:
 
 
 def summarise_runs(runs: list[RunResult]) -> dict:
-    """`spread` over the finished `runs` of every number a run reports: accuracy[protocol][part], codes[measure],
-    seconds_per_epoch and peak_memory_mib (with the kind of memory measured)."""
+    """`spread` over the finished `runs` of every number a run reports: accuracy[protocol][part], before[part] (the
+    evaluation before training, under each run's protocol), codes[measure], seconds_per_epoch and peak_memory_mib
+    (with the kind of memory measured)."""
     done = [r for r in runs if r.finished]
+    before = {part: spread([r.metrics["before"][part] for r in done]) for part in PARTS}
     accuracy = {
         p: {part: spread([r.accuracy[p][part] for r in done if r.accuracy[p] is not None]) for part in PARTS}
         for p in PROTOCOLS
@@ -185,6 +187,7 @@ def summarise_runs(runs: list[RunResult]) -> dict:
     peaks = [r.peak_memory for r in done if r.peak_memory is not None]
     return {
         "accuracy": accuracy,
+        "before": before,
         "codes": codes,
         "seconds_per_epoch": spread([r.seconds_per_epoch for r in done if r.seconds_per_epoch is not None]),
         "peak_memory_mib": spread([p[0] for p in peaks]),

@@ -11,6 +11,9 @@ the epochs.
   with the paper and table named) are rows of a setting's table only in the paper's setting: one of its datasets, the
   full official split, ViT-B/16 with the DINO weights. For a paper dataset in another setting, and for each
   `--reference DATASET`, they are a table of their own.
+- Beside them, each method that an entry trains (`method:`) gets its own paper's row for the dataset, where that paper
+  reports it (data/method_papers.yaml, with where each number was checked): a GCD, SimGCD or SelEx run is read against
+  the numbers of the method it runs. InfoSieve's own paper is the published rows above.
 - Runs whose environment fingerprints differ in a way that changes numerics (`fingerprint.numerics_differences`,
   fingerprint.json and every resume's environment) are flagged.
 """
@@ -47,6 +50,7 @@ class Entry:
     runs: list[RunResult]  # its finished runs (the numbers)
     unfinished: list[str] = field(default_factory=list)  # its runs without metrics.json yet
     setting: dict = field(default_factory=dict)
+    method: str = "infosieve"  # the `method:` its runs train
 
     @cached_property
     def stats(self) -> dict:
@@ -61,7 +65,7 @@ def load_entries(paths: list[str | Path]) -> list[Entry]:
             entries += sweep_entries(path)
         elif (path / "config.yaml").is_file():
             run = read_run(path)
-            entry = Entry(path.name, str(path), [], setting=run_setting(run.cfg))
+            entry = Entry(path.name, str(path), [], setting=run_setting(run.cfg), method=run.cfg.method)
             if run.finished:
                 entry.runs.append(run)
             else:
@@ -83,10 +87,9 @@ def sweep_entries(sweep_dir: Path) -> list[Entry]:
     entries: dict[str, Entry] = {}
     for run in plan["runs"]:
         label = f"{sweep_dir.name}: {point_label(run['point'])}"
-        entry = entries.setdefault(
-            label,
-            Entry(label, f"{sweep_dir} ({point_label(run['point'])})", [], setting=run_setting(run_config(plan, run))),
-        )
+        cfg = run_config(plan, run)
+        origin = f"{sweep_dir} ({point_label(run['point'])})"
+        entry = entries.setdefault(label, Entry(label, origin, [], setting=run_setting(cfg), method=cfg.method))
         if is_done(sweep_dir, run):
             entry.runs.append(read_run(run_dir(sweep_dir, run)))
         else:
@@ -99,6 +102,12 @@ def sweep_entries(sweep_dir: Path) -> list[Entry]:
 def published() -> dict:
     """data/published_results.yaml: the paper, its setting, and the tables' rows."""
     return yaml.safe_load((resources.files("infosieve_fast.data") / "published_results.yaml").read_text())
+
+
+@functools.cache
+def method_papers() -> dict:
+    """data/method_papers.yaml: each method's own paper, its rows and where they were checked, by `method:` value."""
+    return yaml.safe_load((resources.files("infosieve_fast.data") / "method_papers.yaml").read_text())["methods"]
 
 
 def paper_datasets() -> dict[str, dict]:
@@ -184,6 +193,23 @@ def published_rows(dataset: str) -> tuple[dict, list[list[str]]]:
     return table, rows
 
 
+def own_paper_rows(dataset: str, methods: list[str]) -> tuple[list[list[str]], list[str]]:
+    """(the rows of `methods`' own papers for `dataset` as cells: method, source, All, Known, Novel; a note per
+    method saying where its numbers were checked or that its paper's row for the dataset is not here), in
+    `method:` order; InfoSieve's own rows are the published tables'."""
+    rows, notes = [], []
+    papers = method_papers()
+    for paper in (papers[m] for m in papers if m in methods):
+        values = paper["rows"].get(dataset)
+        if values is None:
+            notes.append(f"{paper['name']}'s own paper: no {dataset} row is transcribed here ({paper['paper']}).")
+            continue
+        numbers = ["not transcribed" if v is None else f"{v:.1f}" for v in values]
+        rows.append([f"{paper['name']} (its own paper)", f"published: {paper['paper']}", *numbers])
+        notes.append(f"{paper['name']} (its own paper): {paper['checked']}")
+    return rows, notes
+
+
 def accuracy_table(setting: dict, entries: list[Entry]) -> Table:
     header = ["entry", "source", "seeds"] + [f"{p} {part.capitalize()} (%)" for p in PROTOCOLS for part in PARTS]
     rows = [
@@ -198,11 +224,13 @@ def accuracy_table(setting: dict, entries: list[Entry]) -> Table:
     ]
     if setting["paper_setting"]:
         table, published_cells = published_rows(setting["dataset"])
-        rows = [[*row[:2], "—", *row[2:], *["—"] * 6] for row in published_cells] + rows  # no seeds, v2 only
+        own, own_notes = own_paper_rows(setting["dataset"], [e.method for e in entries])
+        rows = [[*row[:2], "—", *row[2:], *["—"] * 6] for row in published_cells + own] + rows  # no seeds, v2 only
         notes.append(
             reference_note(setting["dataset"], table)
             + " This is the paper's setting: its rows are comparable with the runs'."
         )
+        notes += own_notes
     return Table(f"{setting['label']}: accuracy", notes, header, rows)
 
 
@@ -216,11 +244,15 @@ def reference_note(dataset: str, table: dict) -> str:
     )
 
 
-def reference_table(dataset: str) -> Table:
-    """The published rows alone, for a paper dataset no entry is in the paper's setting for."""
+def reference_table(dataset: str, methods: list[str] = ()) -> Table:
+    """The published rows alone (and `methods`' own papers' rows), for a paper dataset no entry is in the paper's
+    setting for."""
     table, rows = published_rows(dataset)
+    own, own_notes = own_paper_rows(dataset, methods)
+    rows += own
     header = ["method", "source", "All (%)", "Known (%)", "Novel (%)"]
-    notes = [reference_note(dataset, table), "Not comparable with any run above: none of them is in this setting."]
+    notes = [reference_note(dataset, table), *own_notes]
+    notes.append("Not comparable with any run above: none of them is in this setting.")
     return Table(f"Published: {table['datasets'][dataset]} (the paper's setting)", notes, header, rows)
 
 
@@ -301,7 +333,8 @@ def tables(entries: list[Entry], references: list[str], environment: dict[str, s
     wanted = [s["dataset"] for s, _ in groups if s["dataset"] in paper_datasets()] + list(references)
     for dataset in dict.fromkeys(wanted):
         if dataset not in shown:
-            out.append(reference_table(dataset))
+            methods = [e.method for s, group in groups if s["dataset"] == dataset for e in group]
+            out.append(reference_table(dataset, methods))
     return out
 
 

@@ -7,12 +7,14 @@ It shows what the run folder records:
 - All/Old/New, before and after training and at every evaluated epoch;
 - the confusion matrix of the final clustering of the unlabelled train samples;
 - the implicit category tree as a picture, depth-limited, in the style of the paper's Figure 2. Node area is the
-  number of samples, colour is purity, and the label names the majority class.
+  number of samples, colour is purity, and the label names the majority class. Only InfoSieve learns the codes the
+  tree is made of: for another `method:` the page says so in one line.
 On a run of your own images (`make-shards --dataset discovery`: an unlabelled pool with no labels) the parts of
 All/Old/New that no label can score read "not computed", with the reason, and a section shows what is knowable
 instead: the held-out accuracy and the clusters with their names, sizes and margins (`discovery.py`), and a gallery
-of every cluster, novel ones first, with each novel cluster's place in the category tree (`gallery.py`; its
-thumbnails are JPEG files under RUN/report/thumbs/, so that page is not self-contained).
+of every cluster, novel ones first, with each novel cluster's nearest known classes in the features and, for
+InfoSieve, its place in the category tree (`gallery.py`; its thumbnails are JPEG files under RUN/report/thumbs/, so
+that page is not self-contained). Every method has the gallery.
 
 The final clustering and the tree come from `RUN/clustering.npz` and `RUN/tree.json` when present (the tree only
 while it is of the run's checkpoint: a run trained on after `infosieve tree` gets a note saying how to refresh it, not
@@ -287,7 +289,9 @@ def write_report(
     unscored = unscored_parts(clustering["targets"], int(clustering["n_old"])) if clustering is not None else {}
     names = run_class_names(run, checkpoint)
     figures = report_figures(log, metrics, clustering, tree, unscored, depth, names)
-    to_act = [n for n in (gallery_note, *act_notes(run, clustering, tree, tree_note, learns_codes(run))) if n]
+    method = run_method(run)
+    codes = METHODS[method].labeller
+    to_act = [n for n in (gallery_note, *act_notes(run, clustering, tree, tree_note, codes)) if n]
     body = []
     for name, caption, draw in figures:
         draw(out / name)
@@ -295,7 +299,8 @@ def write_report(
     table = metrics_table(metrics, unscored) if metrics is not None else ""
     if clustering is not None and (np.asarray(clustering["targets"]) == NO_LABEL).any():
         table += run_pool_section(run, clustering, checkpoint) + gallery
-    notes_html = "".join(f"<p><em>{html.escape(n)}</em></p>" for n in [*unscored_notes(unscored), *to_act])
+    said = [*unscored_notes(unscored), *to_act, *([] if codes else [no_tree_note(method)])]
+    notes_html = "".join(f"<p><em>{html.escape(n)}</em></p>" for n in said)
     head = f"<h1>{html.escape(str(run))}</h1>{checkpoint_html(read, read_metrics)}"
     page = html_page("infosieve report", f"{head}{table}{notes_html}{''.join(body)}")
     path = run / "report.html"
@@ -314,11 +319,18 @@ def run_class_names(run: Path, checkpoint: str) -> list[str] | None:
     return None if names is None else list(names)
 
 
-def learns_codes(run: Path) -> bool:
-    """Whether the run's method learns category codes (only they have a category tree to draw)."""
+def run_method(run: Path) -> str:
+    """The run's `method:` (its saved config's; InfoSieve for a run folder without one)."""
     saved = run / "config.yaml"
-    method = load_config(saved, saved=True).method if saved.is_file() else "infosieve"
-    return METHODS[method].labeller
+    return load_config(saved, saved=True).method if saved.is_file() else "infosieve"
+
+
+def no_tree_note(method: str) -> str:
+    """Why a run of a method without category codes has no tree on its page."""
+    return (
+        f"no category tree: method {method} learns no codes, and the tree is made of InfoSieve's code prefixes "
+        "(train with method=infosieve for it)"
+    )
 
 
 def act_notes(
@@ -400,14 +412,15 @@ def metrics_table(metrics: dict, unscored: dict) -> str:
     return f"<table><tr><th></th><th>All</th><th>Old</th><th>New</th></tr>{rows}</table>"
 
 
-def best_checkpoint_view(run: Path, depth: int) -> tuple[str, dict, dict, dict]:
+def best_checkpoint_view(run: Path, depth: int) -> tuple[str, dict, dict, dict | None]:
     """What the report shows of RUN/checkpoint-best.pt: (what was read, its All/Old/New on the unlabelled train
-    samples, that clustering as `write_report` takes it, its tree to `depth`)."""
+    samples, that clustering as `write_report` takes it, its tree to `depth`: None for a method without codes)."""
     from ..analysis.run_reader import read_run, trainer_tree
 
     trainer, read = read_run(run, "best")
     ev = trainer.evaluate_full()
-    return read, ev.metrics, ev.unlabelled_table(trainer.source.n_old), trainer_tree(trainer, depth)
+    tree = trainer_tree(trainer, depth) if trainer.model.labeller is not None else None  # InfoSieve's codes alone
+    return read, ev.metrics, ev.unlabelled_table(trainer.source.n_old), tree
 
 
 def checkpoint_html(read: str, metrics: dict | None) -> str:

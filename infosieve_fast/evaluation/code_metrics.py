@@ -110,8 +110,8 @@ def require_codes(model: nn.Module) -> None:
     """A one-line refusal where codes are read from a model without InfoSieve's labeller (another `method:`)."""
     if model.labeller is None:
         raise ValueError(
-            "this run's method learns no codes (only method=infosieve has the code head): the tree, the code measures "
-            "and the cluster gallery read codes; eval, report and predict work without them"
+            "this run's method learns no codes (only method=infosieve has the code head): the tree and the code "
+            "measures read codes; eval, report (with its cluster gallery) and predict work without them"
         )
 
 

@@ -2,9 +2,9 @@
 
 An `Evaluator` holds what these read, explicitly: the model, the data source, the augmentation, the device, the
 k-means and evaluation settings, the token cache and the compile outcome (a compiled model sees one batch size), plus
-two pieces of the run's state it updates: the train samples found unreadable and K once resolved. The Trainer builds
-one for its current state (`Trainer.evaluator`); its pseudo-label round and its evaluations run through it, and so do
-the code measures (`code_metrics`) and the checkpoint criteria (`best_checkpoint`).
+two pieces of the run's state it keeps: the train samples found unreadable and K once resolved. The Trainer builds one
+per run (`Trainer.evaluator`); its pseudo-label rounds and its evaluations run through it, and so do the code measures
+(`code_metrics`) and the checkpoint criteria (`best_checkpoint`).
 
 Under torchrun each rank passes over its share of the train set; the clustering runs on the shards (exact: the global
 clustering) and the tables are all-gathered, so every rank holds the complete table and the same All/Old/New.

@@ -3,10 +3,11 @@ SupCon on the ground truth plus one SupCon per hierarchy level on a shrinking pr
 (docs/reference.md §12.3).
 
 Each epoch the engine gives the method its hierarchy (`set_hierarchy`: every level's SS-k-means centres) and each
-step the batch's labels at every level (`StepTensors.pseudo`, [levels, B]). The SupCon terms run in the fused
-Euclidean kernels (`infosieve_kernels.supcon_loss`, a prefix is a strided view of the projection). The soft-target
-InfoNCE runs in PyTorch: the fused InfoNCE kernel's target is the positive plus uniform smoothing (rows summing to
-1, built into its backward), while SelEx's target is a dense [2B, 2B] matrix whose rows need not sum to 1.
+step the batch's labels at every level (`StepTensors.pseudo`, [levels, B]). Every loss term runs in the fused
+Euclidean kernels where the backend is Triton: the soft-target InfoNCE and the ground-truth SupCon share one Gram
+matrix (`infosieve_kernels.info_nce_and_supcon` with the confusion as its `smoothing_target`), and each level's
+SupCon is `infosieve_kernels.supcon_loss` on a prefix of the projection (a strided view). The confusion matrix, a
+no-grad elementwise map of the batch's backbone distances, stays in PyTorch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import infosieve_kernels as kernels
-from infosieve_kernels.reference import contrastive_logits, pairwise_distances
+from infosieve_kernels.reference import pairwise_distances
 
 from ..config.settings import Config
 from .base import Method, StepTensors
@@ -116,9 +117,12 @@ class SelEx(Method):
             with torch.no_grad():
                 confusion = self._confusion(step.backbone.detach().float(), level_labels)
             features = F.normalize(step.projection.float(), dim=-1)
-            infonce = soft_target_info_nce(features, confusion, self.smoothing, self.temperature)
             gt = labelled_rows(step.targets, step.labelled)
-            supcon_gt = kernels.supcon_loss(features, gt, tau, tau, backend=self.backend)
+            # the InfoNCE's target: (1 - s) on the other view plus s times the confusion (self column dropped)
+            infonce, (supcon_gt,) = kernels.info_nce_and_supcon(
+                features, [gt], self.temperature, self.smoothing, tau, tau, smoothing_target=confusion,
+                backend=self.backend,
+            )  # fmt: skip
             supcon_levels = sum(
                 kernels.supcon_loss(features[:, : dim >> (i + 1)], level_labels[i], tau, tau, backend=self.backend)
                 / 2 ** (i + 1)
@@ -162,18 +166,3 @@ class SelEx(Method):
         counts = torch.zeros(centres.shape[0], device=own.device).index_add_(0, labels, torch.ones_like(own))
         m = self.cluster_momentum
         self.radii[level].mul_(m).add_((1 - m) * sums / counts.clamp_min(1))
-
-
-def soft_target_info_nce(features: Tensor, confusion: Tensor, smoothing: float, temperature: float = 1.0) -> Tensor:
-    """Euclidean InfoNCE (logits -d / T over the 2B - 1 other rows) scored by cross-entropy with the soft target
-    (1 - s) [the other view] + s confusion_ij (self column dropped), mean over rows. `features` L2-normalised."""
-    n = features.shape[0]
-    if n < 2 or n % 2:
-        raise ValueError(f"features must hold 2 views of B >= 1 samples (an even number of rows), got {n} rows")
-    eye = torch.eye(n, dtype=torch.bool, device=features.device)
-    logits = contrastive_logits(features, temperature, rowsum_normalize=False)
-    log_p = torch.log_softmax(logits.masked_fill(eye, float("-inf")), dim=1).masked_fill(eye, 0.0)
-    rows = torch.arange(n, device=features.device)
-    positive = (rows[None, :] == ((rows + n // 2) % n)[:, None]).to(log_p.dtype)
-    target = (1 - smoothing) * positive + smoothing * confusion.masked_fill(eye, 0.0)
-    return -(target * log_p).sum(1).mean()

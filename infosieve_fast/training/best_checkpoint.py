@@ -26,10 +26,9 @@ and resumed chooses what the uninterrupted run chooses.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,9 +41,8 @@ from .run_files import BEST, BEST_CHECKPOINT, read_best
 
 if TYPE_CHECKING:
     from ..config.settings import CheckpointConfig
-    from ..data.reading.base import GCDSource
+    from ..data.reading.base import Batch, GCDSource
     from ..evaluation.evaluator import Evaluator, FeatureSet
-    from .engine import Trainer
 
 HIGHER_IS_BETTER = {"labelled_holdout": True, "kmeans_objective": False}
 KMEANS_RUNS = 4  # k-means runs averaged per holdout score (estimate_k's default number of seeds)
@@ -80,44 +78,6 @@ def images_held_out_for_selection(source, fraction: float, seed: int) -> Tensor:
         )
     mask[torch.from_numpy(uq[np.sort(np.random.RandomState(seed).choice(len(uq), n_held, replace=False))])] = True
     return mask
-
-
-class HiddenLabels:
-    """A data source whose batches mark the `hidden` samples (bool [n_train]) unlabelled; all else is `source`'s."""
-
-    def __init__(self, source, hidden: Tensor):
-        self._source, self._hidden = source, hidden
-        self._on_device: dict[torch.device, Tensor] = {}
-
-    def __getattr__(self, name: str):
-        return getattr(self._source, name)
-
-    def _hide(self, batches) -> Iterator:
-        for batch in batches:
-            device = batch.uq.device
-            hidden = self._on_device.setdefault(device, self._hidden.to(device))[batch.uq]
-            yield dataclasses.replace(batch, labelled=batch.labelled & ~hidden)
-
-    def feature_batches(self, batch_size: int) -> Iterator:
-        return self._hide(self._source.feature_batches(batch_size))
-
-    def train_batches(self, batch_size: int, epoch: int, seed: int, skip: int = 0) -> Iterator:
-        return self._hide(self._source.train_batches(batch_size, epoch, seed, skip))
-
-
-@contextlib.contextmanager
-def labels_hidden(trainer: Trainer, hidden: Tensor | None):
-    """Within: `trainer` trains with the `hidden` samples unlabelled (None: as it is); a run trains each epoch so, with
-    its `BestCheckpoint.holdout`."""
-    if hidden is None:
-        yield
-        return
-    source = trainer.source
-    trainer.source = HiddenLabels(source, hidden)
-    try:
-        yield
-    finally:
-        trainer.source = source
 
 
 # ------------------------------------------------------------------------------------------------ the criteria
@@ -166,9 +126,9 @@ class BestCheckpoint:
     ({"criterion", "epoch", "value", "higher_is_better"}, None before the first epoch). With `checkpoint.best: none`
     every method leaves the run as it is."""
 
-    def __init__(self, settings: CheckpointConfig, source: GCDSource, state: dict | None = None):
+    def __init__(self, settings: CheckpointConfig, source: GCDSource):
         """`settings`: the run's `checkpoint` section; `source`: its train set (the held-out images are drawn from
-        it); `state`: the checkpoint a resumed run continues from (its `best`), None for a new run."""
+        it)."""
         self.criterion = settings.best
         self.enabled = settings.best != "none"
         holds_out = settings.best == "labelled_holdout"
@@ -177,11 +137,36 @@ class BestCheckpoint:
             if holds_out
             else None
         )
-        self.best: dict | None = None if state is None else state.get("best")
+        self.best: dict | None = None
 
+    def continue_from(self, state: dict) -> None:
+        """The best record so far of the checkpoint `state` a resumed run continues from."""
+        self.best = state.get("best")
+
+    # -------------------------------------------------------------------------------------------- the held-out images
+    def unlabel_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """Training batches with the held-out images marked unlabelled (no supervised loss); as they are without a
+        holdout. The sampler still draws them with the labelled images' weight."""
+        if self.holdout is None:
+            yield from batches
+            return
+        on_device: dict[torch.device, Tensor] = {}
+        for batch in batches:
+            device = batch.uq.device
+            hidden = on_device.setdefault(device, self.holdout.to(device))[batch.uq]
+            yield dataclasses.replace(batch, labelled=batch.labelled & ~hidden)
+
+    def unlabel_features(self, fs: FeatureSet) -> FeatureSet:
+        """The pseudo-label round's features with the held-out images unlabelled (no labelled anchor in its
+        SS-k-means); `fs` itself without a holdout."""
+        if self.holdout is None:
+            return fs
+        return dataclasses.replace(fs, labelled=fs.labelled & ~self.holdout.to(fs.uq.device)[fs.uq])
+
+    # -------------------------------------------------------------------------------------------- the criterion
     def score(self, ev: Evaluator) -> float:
-        """The criterion's value for the evaluator's weights, e.g. `Trainer.evaluator()`'s (every rank calls it; all
-        get the same value)."""
+        """The criterion's value for the evaluator's weights, e.g. `Trainer.evaluator`'s (every rank calls it; all get
+        the same value)."""
         fs = ev.features("test")
         k = ev.clusters(fs)
         if self.criterion == "labelled_holdout":

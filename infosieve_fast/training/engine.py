@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -26,7 +27,7 @@ from ..data import InMemoryGCD, build_source
 from ..data.reading.augment import AugmentConfig, DeviceAugment
 from ..data.reading.base import Batch, GCDSource
 from ..data.reading.decode import DecodeWindow
-from ..evaluation.evaluator import ClusterCount, Clustering, Evaluation, Evaluator, FeatureSet
+from ..evaluation.evaluator import ClusterCount, Clustering, Evaluation, Evaluator, FeatureSet, epoch_log
 from ..methods import MODEL_OUTPUT, StepTensors
 from ..network.compiling import (
     CompileOutcome,
@@ -40,8 +41,10 @@ from ..network.loss import check_labelled_targets
 from ..network.model import Backbone
 from ..network.token_cache import TokenCache
 from . import checkpoint as ckpt
+from .best_checkpoint import BestCheckpoint
 from .loss_monitor import LossMonitor
-from .preemption import MidEpoch, StoppedMidEpoch, StopSignals, gather_rank_states
+from .peak_memory import peak_memory, reset_peak_memory
+from .preemption import MidEpoch, Preempted, StoppedMidEpoch, StopSignals, gather_rank_states
 from .schedule import epoch_schedule
 from .step_graph import GraphedStep, StepInputs, StepOutputs
 from .trainer_setup import (
@@ -55,6 +58,20 @@ from .trainer_setup import (
     method_classes,
     resolve_device,
 )
+from .weight_check import check_weights
+
+
+class EpochRecorder(Protocol):
+    """Where a run's epochs go (`run_folder.RunFolderRecorder`): each finished epoch's log line and checkpoint, and the
+    checkpoints of a stop."""
+
+    def epoch_done(self, trainer: Trainer, record: dict) -> None: ...
+
+    def stopped_mid_epoch(self, trainer: Trainer, mid: MidEpoch) -> Preempted: ...
+
+    def preempted(self, trainer: Trainer, epoch: int, step: int) -> Preempted: ...
+
+    def ended_early(self) -> None: ...
 
 
 class Trainer:
@@ -72,23 +89,40 @@ class Trainer:
         device: torch.device | None = None,
         pretrained: bool = True,
     ):
+        """Everything a run needs, built once, in the order a step uses it."""
         self.cfg = cfg
         self.device = device if device is not None else resolve_device(cfg.train.device)
+
+        # The data: the train set (labelled and unlabelled samples by uq) and, where there is one, the test split.
         self.source = source if source is not None else build_source(cfg.data, cfg.train, self.device)
         check_source_fits(cfg, self.source)
         if self.device.type == "cuda" and isinstance(self.source, InMemoryGCD):
             self.source = self.source.to(self.device)  # small by definition; batches then never cross the bus
+
+        # The model and the method's loss. The method's heads are part of the model, so they are saved, optimised,
+        # compiled and wrapped by DDP with it.
         torch.manual_seed(cfg.train.seed)
-        # the method's loss and what it keeps between steps (`methods.Method`); its heads are part of the model
         self.method = build_method(cfg, self.source.n_old).to(self.device)
         n_classes = self.source.n_classes
         self.model = build_model(cfg, self.source.n_old, backbone, pretrained, self.method, n_classes).to(self.device)
+        # `self.model` stays the plain module (checkpoints, feature passes); `self.net` runs the training forward.
+        # Every trainable parameter takes part in every loss (the categorizer too: an empty labelled batch gives it a
+        # zero gradient, not none), and the frozen backbone prefix has requires_grad=False, so DDP needs no
+        # find_unused_parameters.
+        self.net: torch.nn.Module = self.model
+        if dist.get_world_size() > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+
+        # The two views of a step, augmented on the device; bf16 autocast; the optimiser.
         d = cfg.data
         self.augment = DeviceAugment(AugmentConfig(d.crop_size, d.hflip, tuple(d.mean), tuple(d.std), d.color_jitter))
         self.amp = autocast_enabled(cfg.train.amp, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, self.method.decay_on_1d)
+
+        # Compiling waits for the first epoch (`compile_once`), so a trainer that only evaluates stays eager; the
+        # CUDA graph (`train.cuda_graph`) captures the first step of each epoch.
         check_compile_setting(cfg.train.compile, self.device)
-        self.compiled: CompileOutcome | None = None  # set by the first `train_epoch` (evaluation alone stays eager)
         self.step_graph = GraphedStep.for_setting(
             cfg.train.cuda_graph, self.device, dist.get_world_size(), self.optimizer
         )
@@ -97,51 +131,44 @@ class Trainer:
         self._autocast_cache = not self.step_graph.active
         self.token_cache = TokenCache(cfg.train.token_cache, self.device, cfg.data.memory_threshold_mb)
         self.decoding = DecodeWindow(self.source)  # each epoch record: the images decoded since the last, by where
-        # `self.model` stays the plain module (checkpoints, feature passes); `self.net` runs the training forward.
-        # Every trainable parameter takes part in every loss (the categorizer too: an empty labelled batch gives it a
-        # zero gradient, not none), and the frozen backbone prefix has requires_grad=False, so DDP needs no
-        # find_unused_parameters.
-        self.net: torch.nn.Module = self.model
-        self.unreadable: list[int] = []  # uq of the train samples no rank could read (feature passes add them in place)
-        # the latest SS-k-means centres [K, D] (CPU): the epoch's pseudo-label round, then the final evaluation's
-        self.centers: Tensor | None = None
-        self.cluster_count = ClusterCount()  # K, resolved by the first SS-k-means round (kept in checkpoints)
-        if self.method.predicts == "head":  # K is the head's number of outputs
-            self.cluster_count.value = method_classes(cfg, n_classes)
+
+        # The evaluator: feature passes, SS-k-means and scoring of the current weights, for the pseudo-labels of each
+        # epoch and for every evaluation. It keeps the run's unreadable samples and K (a head's outputs, or the first
+        # SS-k-means round's).
+        self.evaluator = Evaluator(
+            model=self.model,
+            source=self.source,
+            augment=self.augment,
+            device=self.device,
+            kmeans=cfg.kmeans,
+            protocol=cfg.train.eval_protocol,
+            seed=cfg.train.seed,
+            feature_batch_size=cfg.data.feature_batch_size,
+            token_cache=self.token_cache,
+            autocast=self.autocast,
+            compiled=None,  # `compile_once`'s outcome
+            unreadable=[],
+            k=ClusterCount(method_classes(cfg, n_classes) if self.method.predicts == "head" else None),
+        )
+        # The best-checkpoint judge (`checkpoint.best`), and the labelled images it holds out of training.
+        self.best = BestCheckpoint(cfg.checkpoint, self.source)
+
+        self.centers: Tensor | None = None  # the latest SS-k-means centres [K, D] (CPU): the epoch's, then the final
         self.stop: StopSignals | None = None  # asked before every step (run_folder.train sets it)
         self.mid_epoch: MidEpoch | None = None  # a preempted epoch to finish (`load_state_dict`)
-        if dist.get_world_size() > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+
+    @property
+    def compiled(self) -> CompileOutcome | None:
+        """`compile_once`'s outcome (None before it), which the evaluator's passes read (a compiled model sees one
+        batch size)."""
+        return self.evaluator.compiled
+
+    @property
+    def unreadable(self) -> list[int]:
+        """uq of the train samples no rank could read (the evaluator's feature passes find them)."""
+        return self.evaluator.unreadable
 
     # ------------------------------------------------------------------------------------------------ evaluation
-    def evaluator(self) -> Evaluator:
-        """The feature passes, clustering and scoring of the current weights on the current source (`evaluation`)."""
-        c = self.cfg
-        return Evaluator(
-            self.model,
-            self.source,
-            self.augment,
-            self.device,
-            c.kmeans,
-            c.train.eval_protocol,
-            c.train.seed,
-            c.data.feature_batch_size,
-            self.token_cache,
-            self.autocast,
-            self.compiled,
-            self.unreadable,
-            self.cluster_count,
-        )
-
-    def extract_features(self, view: str, seed: int = 0, embed: Callable[[Tensor], Tensor] | None = None) -> FeatureSet:
-        """`Evaluator.features`: the pseudo-label round's and the evaluations' feature pass."""
-        return self.evaluator().features(view, seed, embed)
-
-    def cluster(self, fs: FeatureSet, seed: int, balanced: bool) -> Clustering:
-        """`Evaluator.cluster`: one SS-k-means round of `fs`."""
-        return self.evaluator().cluster(fs, seed, balanced)
-
     def evaluate(self) -> dict[str, float]:
         """All/Old/New accuracy of SS-k-means on test-view backbone features, on the unlabelled train samples (all
         ranks' shares: every rank returns the same numbers)."""
@@ -150,14 +177,45 @@ class Trainer:
     def evaluate_full(self) -> Evaluation:
         """`evaluate`, with the clustering it scored (`Evaluator.evaluate`); a method that predicts by its head
         (`Method.predicts`) is scored on the head's predictions (`Evaluator.assign` to its prediction centres)."""
-        fs = self.extract_features("test")
-        ev = self.evaluator()
+        ev = self.evaluator
+        fs = ev.features("test")
         if self.method.predicts == "head":
             return ev.score_clustering(fs, ev.assign(fs, self.method.prediction_centres(self.model.method_heads)))
-        return ev.score_clustering(fs, self.cluster(fs, seed=0, balanced=self.cfg.kmeans.eval_balanced))
+        return ev.evaluate(fs)
 
-    # ------------------------------------------------------------------------------------------------ training
+    # ------------------------------------------------------------------------------------------------ the epochs
+    def train_epochs(self, start: int, recorder: EpochRecorder, stop_after: Callable[[int], bool] | None) -> bool:
+        """The epochs from `start` on, each handed to `recorder` (the run folder's log line and checkpoint). False when
+        `stop_after(epoch)` ended the run early; `Preempted` when a stop signal did (mid-epoch or after an epoch).
+        However they end, the last checkpoint is durable when this returns (or raises)."""
+        every = self.cfg.train.eval_every
+        try:
+            for epoch in range(start, self.cfg.schedule.epochs):
+                measures_peak = reset_peak_memory(self.device)
+                try:
+                    record = self.train_epoch(epoch)
+                except StoppedMidEpoch as stopped:  # a stop signal: checkpoint where the epoch stopped
+                    raise recorder.stopped_mid_epoch(self, stopped.mid_epoch) from None
+                check_weights(self.model, epoch, self.cfg.optim.lr)  # before anything evaluates or saves them
+                self.best.judge(self.evaluator, record)
+                if every and (epoch + 1) % every == 0:
+                    record.update(epoch_log(self.evaluator, self.evaluate_full()))
+                if measures_peak:
+                    record.update(peak_memory(self.device))
+                recorder.epoch_done(self, record)
+                if stop_after is not None and stop_after(epoch):
+                    recorder.ended_early()
+                    return False
+                if self.stop is not None and self.stop.requested():
+                    raise recorder.preempted(self, epoch + 1, 0)
+            return True
+        finally:
+            ckpt.wait_for_checkpoint()
+
     def train_epoch(self, epoch: int) -> dict:
+        """One epoch: the schedule's values for it, the pseudo-labels (a feature pass and SS-k-means, unless the method
+        reads none), then its training steps; the epoch's log record. A stop signal between steps raises
+        `StoppedMidEpoch` with what resuming the epoch needs."""
         cfg = self.cfg
         start = time.perf_counter()
         sched = epoch_schedule(epoch, cfg.schedule, cfg.optim)
@@ -177,7 +235,7 @@ class Trainer:
         if resumed is None:
             pseudo, inertia, features_done, kmeans_done = self._pseudo_labels(name, epoch)
         else:  # finishing a preempted epoch: its pseudo-labels (and centres) are the checkpoint's
-            self.unreadable = list(resumed.unreadable)
+            self.unreadable[:] = resumed.unreadable
             self.source.exclude(self.unreadable)
             pseudo, inertia = resumed.pseudo.to(self.device), resumed.inertia
             self.method.load_step_state(resumed.method)
@@ -218,13 +276,14 @@ class Trainer:
             now = time.perf_counter()
             return torch.full((self.source.n_train,), -1, dtype=torch.long, device=self.device), None, now, now
         status = status_line(f"{name}: feature pass ({self.source.n_train} samples)")
-        fs = self.extract_features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
+        fs = self.evaluator.features("train", seed=epoch_seed(cfg.train.seed, epoch, 1))
+        fs = self.best.unlabel_features(fs)  # the judge's held-out images: no labelled anchor in the k-means
         check_labelled_targets(fs.targets, fs.labelled, self.source.n_old)  # once here, not in every step
         features_done = time.perf_counter()  # the checks above read the device: the feature pass has finished
         status.close()  # each phase its own line, so each line's timer shows that phase's time
         status = status_line(f"{name}: SS-k-means pseudo-labels")
         seed = epoch_seed(cfg.train.seed, epoch, 2)
-        clustering = self.cluster(fs, seed=seed, balanced=cfg.kmeans.balanced)
+        clustering = self.evaluator.cluster(fs, seed=seed, balanced=cfg.kmeans.balanced)
         self.centers = clustering.centers.cpu()
         labels = clustering.labels
         if self.method.labels == "hierarchy":
@@ -236,7 +295,7 @@ class Trainer:
     def _label_levels(self, fs: FeatureSet, level0: Clustering, seed: int) -> Tensor:
         """A "hierarchy" method's labels [levels, n_train] from the epoch's round `level0`: each further level is a
         round of the same balanced SS-k-means (`seed`) of `fs` with the labelled samples and K the method says."""
-        ev = self.evaluator()
+        ev = self.evaluator
 
         def cluster(labelled: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tensor]:
             level_fs = dataclasses.replace(fs, labelled=labelled[fs.uq], targets=targets[fs.uq])
@@ -259,6 +318,7 @@ class Trainer:
             monitor.resume(resumed.step, mine, self.device)
             ckpt.restore_rng_state(mine["torch_rng"])
         batches = self.source.train_batches(cfg.data.batch_size, epoch, cfg.train.seed, skip=monitor.steps)
+        batches = self.best.unlabel_batches(batches)  # the judge's held-out images: no supervised loss
         bar = steps_bar(batches, name, monitor.steps, self.steps_per_epoch())
         for batch in bar:
             if cfg.train.max_steps_per_epoch is not None and monitor.steps >= cfg.train.max_steps_per_epoch:
@@ -286,7 +346,7 @@ class Trainer:
             setting = self.cfg.train.compile
             # the line only where something compiles: on the CPU `auto` stays eager
             status = status_line(f"train.compile={setting}: compiling") if compiles(setting, self.device) else None
-            self.compiled = compile_with_fallback(
+            self.evaluator.compiled = compile_with_fallback(
                 compiled_modules(self.model), setting, self.device, self._trace_graphs
             )
             if status is not None:
@@ -348,7 +408,7 @@ class Trainer:
             "centers": self.centers,
             "class_names": list(self.source.class_names),
             "n_old": self.source.n_old,
-            "n_clusters": self.cluster_count.value,
+            "n_clusters": self.evaluator.k.value,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -357,6 +417,7 @@ class Trainer:
         self.load_model_state(state)
         load_optimizer_state(self.optimizer, state["optimizer"])
         ckpt.restore_rng_state(state["torch_rng"])
+        self.best.continue_from(state)
         if state.get("mid_epoch") is not None:
             self.mid_epoch = MidEpoch.from_state(state["mid_epoch"])
 
@@ -365,7 +426,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.token_cache.clear()  # the frozen prefix's weights may have changed
         self.centers = state.get("centers")
-        self.cluster_count.value = state.get("n_clusters")
+        self.evaluator.k.value = state.get("n_clusters")
 
 
 def steps_bar(batches: Iterator[Batch], name: str, done: int, total: int) -> tqdm:

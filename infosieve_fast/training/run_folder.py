@@ -32,14 +32,13 @@ from ..data.reading.base import GCDSource
 from ..data.shard_format import DISCOVERY
 from ..data.shard_manifest import run_manifest
 from ..evaluation.discovery import PREDICTIONS, nothing_new, novel_pool_images
-from ..evaluation.evaluator import epoch_log
 from ..methods import METHODS
 from ..network.model import Backbone
 from . import checkpoint as ckpt
 from . import fingerprint
-from .best_checkpoint import BestCheckpoint, labels_hidden, write_best
+from .best_checkpoint import write_best
 from .engine import Evaluation, Trainer, status_line
-from .preemption import MidEpoch, Preempted, StoppedAtOnce, StoppedMidEpoch, StopSignals
+from .preemption import MidEpoch, Preempted, StoppedAtOnce, StopSignals
 from .run_files import (
     BEST,
     BEST_CHECKPOINT,
@@ -54,7 +53,6 @@ from .run_files import (
 )
 from .run_lock import LOCK, held_run_folder
 from .trainer_setup import started_run
-from .weight_check import check_weights
 
 # what a run killed before its first checkpoint can leave; a folder holding only these is started again
 _LEFTOVERS = {CONFIG, LOG, RESUMES, UNREADABLE, TENSORBOARD, fingerprint.FINGERPRINT, BEST_CHECKPOINT, BEST, LOCK}
@@ -122,7 +120,10 @@ def _train(
     overrides: list[str],
     stop: StopSignals,
 ) -> dict | None:
+    """The run, in the order of its work: the folder, everything the run needs, where it starts, its epochs, its end."""
     started = time.perf_counter()
+    # The folder: a resume continues from its checkpoint (a finished run returns its result); a new run needs an empty
+    # folder, or one that a run killed before its first checkpoint left.
     state = None
     if resume and (run_dir / ckpt.CHECKPOINT).is_file():
         state, finished = resume_run(cfg, run_dir, overrides, device)
@@ -130,38 +131,34 @@ def _train(
             return finished_result(cfg, run_dir)
     else:
         prepare_new_folder(run_dir, device)
+
+    # Everything the run needs, built once: data, model and loss, optimiser, compile and CUDA graph settings, the
+    # evaluator and the best-checkpoint judge. A resumed run's weights all come from its checkpoint.
     trainer = Trainer(cfg, source, backbone, device=device, pretrained=state is None)
     trainer.stop = stop
+
     with stop.deferred():  # from here on, a stop signal waits for the next step, which checkpoints
-        return train_from(trainer, run_dir, state, started, stop_after)
+        # Where the run starts: the checkpoint's epoch, or epoch 0 with the untrained model's All/Old/New ("before").
+        if state is not None:
+            trainer.load_state_dict(state)
+            start, before = state["epoch"], state["before"]
+            if dist.is_main_process():
+                trainer.best.restore_files(run_dir, state)
+        else:
+            start, before = 0, open_new_run(trainer, run_dir)
 
+        # The epochs: each trained, checked, judged and evaluated by the trainer, logged and checkpointed here.
+        recorder = RunFolderRecorder(run_dir, before, start, cfg.train.tensorboard)
+        if not trainer.train_epochs(start, recorder, stop_after):
+            return None
 
-def train_from(
-    trainer: Trainer, run_dir: Path, state: dict | None, started: float, stop_after: Callable[[int], bool] | None
-) -> dict | None:
-    """The run from the untrained model's evaluation (`state` None) or from the checkpoint `state` to its end."""
-    cfg = trainer.cfg
-    if state is not None:
-        trainer.load_state_dict(state)
-        start, before = state["epoch"], state["before"]
-    else:
-        start, before = 0, open_new_run(trainer, run_dir)
-    best = BestCheckpoint(cfg.checkpoint, trainer.source, state)
-    if state is not None and dist.is_main_process():
-        best.restore_files(run_dir, state)
-    if not train_epochs(trainer, run_dir, start, before, stop_after, best):
-        return None
-    metrics = final_evaluation(trainer, run_dir, before, best)
-    if dist.is_main_process():
-        if best.enabled:
-            print(
-                f"best checkpoint: {best.best['criterion']} {best.best['value']:.6g} at epoch {best.best['epoch']}, "
-                f"in {run_dir / BEST_CHECKPOINT} (read it with --checkpoint best)"
-            )
-        seconds, resumed_at = time.perf_counter() - started, None if state is None else start
-        test_split = trainer.evaluator().has_test_split()
-        print_finished(run_dir, seconds, resumed_at, cfg, test_split)
-    dist.barrier()
+        # The end: All/Old/New after training, the final checkpoint, clustering.npz and metrics.json.
+        metrics = final_evaluation(trainer, run_dir, before)
+        if dist.is_main_process():
+            print_best(trainer, run_dir)
+            resumed_at = None if state is None else start
+            print_finished(run_dir, time.perf_counter() - started, resumed_at, cfg, trainer.evaluator.has_test_split())
+        dist.barrier()
     return metrics
 
 
@@ -297,113 +294,62 @@ def reopen_run(cfg: Config, run_dir: Path, start: int, overrides: list[str], cha
 
 
 # ------------------------------------------------------------------------------------------------ the epochs
-def train_epochs(
-    trainer: Trainer,
-    run_dir: Path,
-    start: int,
-    before: dict,
-    stop_after: Callable[[int], bool] | None,
-    best: BestCheckpoint,
-) -> bool:
-    """The epochs from `start` on, each logged, checkpointed and judged by `best`; False when `stop_after` ended the run
-    early; `Preempted` when a stop signal did (mid-epoch or after an epoch). However they end, the last checkpoint is
-    durable when this returns (or raises)."""
-    board = tensorboard_writer(run_dir, start) if trainer.cfg.train.tensorboard and dist.is_main_process() else None
-    try:
-        for epoch in range(start, trainer.cfg.schedule.epochs):
-            try:
-                train_and_record_epoch(trainer, run_dir, epoch, before, best, board)
-            except StoppedMidEpoch as stopped:
-                save_mid_epoch(trainer, run_dir, before, best, stopped.mid_epoch)
-                raise preempted(trainer, run_dir, epoch, stopped.mid_epoch.step) from None
-            if stop_after is not None and stop_after(epoch):
-                ckpt.wait_for_checkpoint()
-                dist.barrier()  # a rank that goes on to resume must find the checkpoint rank 0 was still writing
-                return False
-            if trainer.stop is not None and trainer.stop.requested():
-                raise preempted(trainer, run_dir, epoch + 1, 0)
-        return True
-    finally:
+class RunFolderRecorder:
+    """The run folder's side of the epochs (`Trainer.train_epochs`): rank 0 writes each epoch's log line and
+    checkpoint (and TensorBoard's scalars) and prints its line; a stop signal's checkpoint and log record."""
+
+    def __init__(self, run_dir: Path, before: dict, start: int, tensorboard: bool):
+        self.run_dir, self.before = run_dir, before
+        self.board = tensorboard_writer(run_dir, start) if tensorboard and dist.is_main_process() else None
+
+    def epoch_done(self, trainer: Trainer, record: dict) -> None:
+        """An epoch's record logged and its checkpoint written by rank 0 (in the background with
+        `train.background_checkpoint`), and its console line."""
+        if self.board is not None:
+            log_scalars(self.board, record)
+        if dist.is_main_process():
+            write_epoch(self.run_dir, trainer, record, self.before)
+            epoch, epochs = record["epoch"] + 1, trainer.cfg.schedule.epochs
+            learns_codes = trainer.model.labeller is not None
+            codes = f"age {record['age']:.2f}  base {record['base']:.3f}  " if learns_codes else ""
+            print(
+                f"epoch {epoch}/{epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
+                f"{codes}{record['seconds']:.1f}s"
+            )  # the labeller's age and positional base only where a method learns codes
+        dist.barrier()  # the checkpoint is written (or being written, in the background) before any rank moves on
+
+    def stopped_mid_epoch(self, trainer: Trainer, mid: MidEpoch) -> Preempted:
+        """Rank 0 writes the checkpoint of a stopped epoch (the weights and optimizer after `mid.step` steps, and
+        `mid`); the error that says where the run stopped."""
+        if dist.is_main_process():
+            state = trainer.best.stamp(trainer.state_dict(mid.epoch, self.before))
+            state["mid_epoch"] = mid.to_state()
+            ckpt.save_checkpoint(self.run_dir, state)
+        return self.preempted(trainer, mid.epoch, mid.step)
+
+    def preempted(self, trainer: Trainer, epoch: int, step: int) -> Preempted:
+        """Once the checkpoint that resumes at `epoch`, `step` is durable: rank 0 appends log.jsonl's `preempted`
+        record (a resume drops it with the epoch's other lines); the error every rank raises, which says where the run
+        stopped."""
         ckpt.wait_for_checkpoint()
+        signal_name, epochs = trainer.stop.received, trainer.cfg.schedule.epochs
+        if dist.is_main_process():
+            at = {"signal": signal_name, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            common_files.append_log(self.run_dir / LOG, {"epoch": epoch, "preempted": at})
+        dist.barrier()
+        where = f"epoch {epoch + 1}/{epochs} at step {step}" if step else f"the start of epoch {epoch + 1}/{epochs}"
+        return Preempted(
+            f"{signal_name}: stopped at {where}; the checkpoint is in {self.run_dir / ckpt.CHECKPOINT}, continue with "
+            f"`infosieve train --resume {self.run_dir}`"
+        )
+
+    def ended_early(self) -> None:
+        """`stop_after` ended the run: a rank that goes on to resume must find the checkpoint rank 0 was writing."""
+        ckpt.wait_for_checkpoint()
+        dist.barrier()
 
 
-def save_mid_epoch(trainer: Trainer, run_dir: Path, before: dict, best: BestCheckpoint, mid: MidEpoch) -> None:
-    """Rank 0 writes the checkpoint of a stopped epoch: the weights and optimizer after `mid.step` steps, and `mid`."""
-    if dist.is_main_process():
-        state = best.stamp(trainer.state_dict(mid.epoch, before))
-        state["mid_epoch"] = mid.to_state()
-        ckpt.save_checkpoint(run_dir, state)
-
-
-def preempted(trainer: Trainer, run_dir: Path, epoch: int, step: int) -> Preempted:
-    """Once the checkpoint that resumes at `epoch`, `step` is durable: rank 0 appends log.jsonl's `preempted` record
-    (a resume drops it with the epoch's other lines); the error every rank raises, which says where the run stopped."""
-    ckpt.wait_for_checkpoint()
-    signal_name, epochs = trainer.stop.received, trainer.cfg.schedule.epochs
-    if dist.is_main_process():
-        at = {"signal": signal_name, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        common_files.append_log(run_dir / LOG, {"epoch": epoch, "preempted": at})
-    dist.barrier()
-    where = f"epoch {epoch + 1}/{epochs} at step {step}" if step else f"the start of epoch {epoch + 1}/{epochs}"
-    return Preempted(
-        f"{signal_name}: stopped at {where}; the checkpoint is in {run_dir / ckpt.CHECKPOINT}, continue with "
-        f"`infosieve train --resume {run_dir}`"
-    )
-
-
-def train_and_record_epoch(
-    trainer: Trainer, run_dir: Path, epoch: int, before: dict, best: BestCheckpoint, board: object | None
-) -> None:
-    """One epoch: trained, judged by `best`, evaluated when `train.eval_every` says so, then logged and checkpointed
-    by rank 0 (and written to TensorBoard's `board`)."""
-    cfg = trainer.cfg
-    per_epoch_peak = reset_peak_memory(trainer.device)
-    with labels_hidden(trainer, best.holdout):  # the best checkpoint's held-out images, unlabelled
-        record = trainer.train_epoch(epoch)
-    check_weights(trainer.model, epoch, cfg.optim.lr)  # before anything evaluates or saves them
-    best.judge(trainer.evaluator(), record)
-    every = cfg.train.eval_every
-    if every and (epoch + 1) % every == 0:
-        record.update(epoch_log(trainer.evaluator(), trainer.evaluate_full()))
-    if per_epoch_peak:
-        record.update(peak_memory(trainer.device))
-    if board is not None:
-        log_scalars(board, record)
-    if dist.is_main_process():
-        write_epoch(run_dir, trainer, record, before, best)
-        codes = f"age {record['age']:.2f}  base {record['base']:.3f}  " if trainer.model.labeller is not None else ""
-        print(
-            f"epoch {epoch + 1}/{cfg.schedule.epochs}  loss {record['loss_total']:.4f}  lr {record['lr']:.3g}  "
-            f"{codes}{record['seconds']:.1f}s"
-        )  # the labeller's age and positional base only where a method learns codes
-    dist.barrier()  # the checkpoint is written (or being written, in the background) before any rank moves on
-
-
-def reset_peak_memory(device: torch.device) -> bool:
-    """Start an epoch's peak memory: the CUDA allocator's peak on a GPU, this process's peak resident set (Linux's
-    VmHWM) on the CPU. False where the peak cannot be reset (then no peak is logged: it would not be the epoch's)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return True
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # "5" resets VmHWM to the current resident set
-    except OSError:  # not Linux, or not permitted here
-        return False
-    return True
-
-
-def peak_memory(device: torch.device) -> dict:
-    """The log line's peak memory of this process since `reset_peak_memory`: `peak_gpu_bytes`
-    (torch.cuda.max_memory_allocated) on a GPU, `peak_rss_bytes` (VmHWM) on the CPU. Under DDP: rank 0's."""
-    if device.type == "cuda":
-        return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device)}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return {"peak_rss_bytes": int(line.split()[1]) * 1024}  # the kernel reports kB (KiB)
-    return {}
-
-
-def write_epoch(run_dir: Path, trainer: Trainer, record: dict, before: dict, best: BestCheckpoint) -> None:
+def write_epoch(run_dir: Path, trainer: Trainer, record: dict, before: dict) -> None:
     """An epoch's unreadable list, log line and checkpoint, then the best checkpoint when the epoch is the new best.
     The log line first: a kill between the two leaves a line the checkpoint lacks, dropped on resume (the other order
     would lose the epoch's line). With `train.background_checkpoint` the checkpoint (a host snapshot taken here) is
@@ -412,9 +358,9 @@ def write_epoch(run_dir: Path, trainer: Trainer, record: dict, before: dict, bes
     write_unreadable(run_dir, trainer)
     common_files.append_log(run_dir / LOG, record)
     save = ckpt.save_checkpoint_in_background if trainer.cfg.train.background_checkpoint else ckpt.save_checkpoint
-    state = best.stamp(trainer.state_dict(record["epoch"] + 1, before))
+    state = trainer.best.stamp(trainer.state_dict(record["epoch"] + 1, before))
     save(run_dir, state, trainer.cfg.checkpoint.keep_last)
-    if best.holds(state):
+    if trainer.best.holds(state):
         write_best(run_dir, state)
 
 
@@ -448,8 +394,8 @@ def log_scalars(board, record: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the end
-def final_evaluation(trainer: Trainer, run_dir: Path, before: dict, best: BestCheckpoint) -> dict:
-    """All/Old/New after training; rank 0 saves the checkpoint again with the final centres (and `best`'s record), the
+def final_evaluation(trainer: Trainer, run_dir: Path, before: dict) -> dict:
+    """All/Old/New after training; rank 0 saves the checkpoint again with the final centres (and the best record), the
     clustering and metrics.json (the run's result, returned)."""
     cfg = trainer.cfg
     with status_line("after training: test-view feature pass + SS-k-means"):
@@ -457,7 +403,7 @@ def final_evaluation(trainer: Trainer, run_dir: Path, before: dict, best: BestCh
     metrics = {"before": before, "after": final.metrics, "protocol": cfg.train.eval_protocol}
     trainer.centers = final.clustering.centers.cpu()
     if dist.is_main_process():
-        ckpt.save_checkpoint(run_dir, best.stamp(trainer.state_dict(cfg.schedule.epochs, before)))
+        ckpt.save_checkpoint(run_dir, trainer.best.stamp(trainer.state_dict(cfg.schedule.epochs, before)))
         write_clustering(run_dir, final, trainer.source.n_old)
         common_files.write_json(run_dir / METRICS, metrics)
     print_table({"before": before, "after": final.metrics}, cfg.train.eval_protocol)
@@ -470,6 +416,16 @@ def write_clustering(run_dir: Path, final: Evaluation, n_old: int) -> None:
     import numpy as np
 
     common_files.atomic_write(run_dir / CLUSTERING, lambda f: np.savez(f, **final.unlabelled_table(n_old)))
+
+
+def print_best(trainer: Trainer, run_dir: Path) -> None:
+    """Where the best checkpoint is, when the run keeps one (`checkpoint.best`)."""
+    best = trainer.best
+    if best.enabled:
+        print(
+            f"best checkpoint: {best.best['criterion']} {best.best['value']:.6g} at epoch {best.best['epoch']}, "
+            f"in {run_dir / BEST_CHECKPOINT} (read it with --checkpoint best)"
+        )
 
 
 def print_table(metrics: dict[str, dict[str, float | None]], protocol: str) -> None:
@@ -508,7 +464,8 @@ def print_next_steps(run_dir: Path, test_split: bool = False, shards: str | None
     print(f"  infosieve eval --run {run}     # All/Old/New from the checkpoint{test}")
     if codes:
         print(f"  infosieve tree --run {run}     # the category tree of the learned codes")
-    print(f"  infosieve report --run {run}   # report.html: losses, schedules, accuracy, confusion, the tree")
+    shows = "the tree" if codes else "the cluster gallery"
+    print(f"  infosieve report --run {run}   # report.html: losses, schedules, accuracy, confusion, {shows}")
     for line in own_images_steps(run_dir, shards):
         print(f"  {line}")
 

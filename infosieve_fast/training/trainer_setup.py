@@ -191,15 +191,17 @@ PAPER_DATASETS = (*EXPECTED_COUNTS, "imagenet1k")
 
 
 def check_config_fits_shards(config_name: str, dataset: str | None, shards) -> None:
-    """configs/<dataset>.yaml and dinov2-<dataset>.yaml hold that dataset's paper settings (its label smoothing, its
-    trained blocks): on another paper dataset's shards such a config is most likely the wrong one, so a warning names
-    both and the config to use."""
+    """configs/<dataset>.yaml, dinov2-<dataset>.yaml and <dataset>-<method>.yaml hold that dataset's paper settings
+    (its label smoothing, its trained blocks): on another paper dataset's shards such a config is most likely the wrong
+    one, so a warning names both and the config to use."""
     meant = config_name.removeprefix("dinov2-")
+    method = next((f"-{m}" for m in METHODS if meant.endswith(f"-{m}")), "")
+    meant = meant.removesuffix(method)
     if meant in PAPER_DATASETS and dataset in PAPER_DATASETS and dataset != meant:
         notice(
             f"WARNING: the config {config_name!r} holds the paper's settings for {meant} (label smoothing, trained "
-            f"blocks), but the shards {shards} hold {dataset}: train with configs/{dataset}.yaml, or --set "
-            f"name={dataset} to keep these settings on purpose"
+            f"blocks), but the shards {shards} hold {dataset}: train with configs/{dataset}{method}.yaml, or --set "
+            f"name={dataset}{method} to keep these settings on purpose"
         )
 
 

@@ -301,7 +301,9 @@ class ShardSource:
         return skipped
 
     def _check_labels(self) -> None:
-        """Every sample's `.cls` is one of the manifest's classes (or no label), before anything is sized by them."""
+        """Every sample's `.cls` is one of the manifest's classes (or no label), and every labelled one a known class,
+        before anything is sized by them: every method trains on these labels (those that run no pseudo-label round,
+        whose epochs check nothing, too)."""
         cls = self.index.cls
         outside = (cls != NO_LABEL) & ((cls < 0) | (cls >= len(self.class_names)))
         if outside.any():
@@ -310,6 +312,15 @@ class ShardSource:
                 f"{self.urls[int(self.index.shard[row])]}: sample uq {int(self.index.uq[row])} has the .cls label "
                 f"{int(cls[row])}, outside the manifest's {len(self.class_names)} classes ({int(outside.sum())} such "
                 "sample(s)): the shards were changed after make-shards wrote them; run make-shards again"
+            )
+        novel = self.index.lab & (cls >= self.n_old)  # a labelled sample must be of a known class
+        if novel.any():
+            row = int(np.flatnonzero(novel)[0])
+            raise ManifestError(
+                f"{self.urls[int(self.index.shard[row])]}: sample uq {int(self.index.uq[row])} is labelled with class "
+                f"{int(cls[row])} ({self.class_names[int(cls[row])]}), a novel one: labelled samples are of the "
+                f"manifest's {self.n_old} known classes ({int(novel.sum())} such sample(s)): the shards were changed "
+                "after make-shards wrote them; run make-shards again"
             )
 
     def held_out(self) -> np.ndarray:
