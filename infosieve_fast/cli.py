@@ -211,7 +211,7 @@ def _export(args: argparse.Namespace) -> int:
 def _estimate_k(args: argparse.Namespace) -> int:
     import json
 
-    from .evaluation.estimate_k import describe_choice, estimate_k, load_features, no_new_cluster_warning
+    from .evaluation.estimate_k import describe_choice, estimate_k, k_warning, load_features
 
     if bool(args.run) == bool(args.features):
         raise UsageError("estimate-k needs exactly one of --run RUN_DIR or --features FILE.npz")
@@ -251,7 +251,7 @@ def _estimate_k(args: argparse.Namespace) -> int:
 
         served = getattr(trainer.source, "size", None)
         print(describe_feature_view(trainer.augment.cfg.crop_size, served), file=sys.stderr)
-    warning = no_new_cluster_warning(result)
+    warning = k_warning(result)
     if warning:
         print(f"WARNING: {warning}", file=sys.stderr)
     text = json.dumps(result, indent=1)

@@ -122,6 +122,7 @@ PLAN = [
         "needs the dataset and the DINO (or DINOv2) weights; tests/test_sweep.py runs sweeps on the digits",
     ),
     Entry(r"python -m benchmarks\.cub_subset( --[\w-]+ \S+)+", "run"),
+    Entry(r"python -m benchmarks\.folder_features( --[\w-]+ \S+)+", "run"),
     Entry(
         r"infosieve make-shards --dataset cubfiles --root runs/\S+ .*",
         "parse",
@@ -233,7 +234,7 @@ def bound(tmp_path_factory, realdata) -> dict[str, str]:
     for i in range(12):
         Image.fromarray(digits[i]).save(images / f"{i:04d}.png")
     return {"tmp": str(tmp), "run": str(tmp / "demo-run"), "images": str(images), "realdata": str(realdata),
-            "sweep": str(tmp / "sweep")}  # fmt: skip
+            "sweep": str(tmp / "sweep"), "features": str(tmp / "features")}  # fmt: skip
 
 
 def bind(command: str, bound: dict[str, str], name: str) -> str:
@@ -244,6 +245,8 @@ def bind(command: str, bound: dict[str, str], name: str) -> str:
     command = re.sub(r"\bSWEEP\b", bound["sweep"], command)
     command = re.sub(r"NEW_IMAGES/|/tmp/mnist200(?=\s|$)", bound["images"], command)
     command = re.sub(r"--out /tmp/demo_\w+", f"--out {out}", command)
+    # a features file one command writes (--out) and others read: one path for all of them, by its name
+    command = re.sub(r"(?<=\s)runs/([\w.-]+\.npz)\b", lambda m: f"{bound['features']}/{m.group(1)}", command)
     command = re.sub(
         r"(?<=\s)(benchmarks/results/|docs/|runs/|/tmp/)?[\w.-]+\.(json|jsonl|csv)\b",
         lambda m: str(out / Path(m.group(0)).name),
@@ -311,7 +314,7 @@ def _unique(commands: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 def runs_in_bash(command: str) -> bool:
     """Whether the documented `command`, once bound, runs in bash rather than in this process."""
-    placeholders = dict.fromkeys(("tmp", "run", "images", "realdata", "sweep"), "/x")
+    placeholders = dict.fromkeys(("tmp", "run", "images", "realdata", "sweep", "features"), "/x")
     return in_process_call(bind(command, placeholders, "x")) is None
 
 
@@ -329,9 +332,11 @@ def bound_commands(bound) -> dict[tuple[str, str], str]:
 
 
 def writers_read_by(command: str, commands: list[str], bound: dict[str, str]) -> list[str]:
-    """The commands that write the folders `command` reads (RUN, SWEEP; `compare SWEEP RUN` reads both), in the docs'
-    order: they run first."""
+    """The commands that write the folders and feature files `command` reads (RUN, SWEEP, runs/*.npz; `compare SWEEP
+    RUN` reads both folders), in the docs' order: they run first."""
     read = [bound[f] for f in ("run", "sweep") if bound[f] in command]
+    features = re.findall(rf"{re.escape(bound['features'])}/\S+\.npz", command)
+    read += [path for path in features if f"--out {path}" not in command]
     return [c for c in commands if c != command and any(re.search(rf"--out {re.escape(f)}(\s|$)", c) for f in read)]
 
 

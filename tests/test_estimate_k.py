@@ -18,8 +18,8 @@ from infosieve_fast.evaluation.estimate_k import (
     choose_k,
     describe_choice,
     estimate_k,
+    k_warning,
     load_features,
-    no_new_cluster_warning,
     pooled_error,
     smoothed,
 )
@@ -183,7 +183,7 @@ def test_a_lone_high_k_does_not_decide_once_smoothed():
 
 
 def _result(found: dict, k_min: int) -> dict:
-    """`found` (choose_k's answer) as estimate_k returns it, for describe_choice and no_new_cluster_warning."""
+    """`found` (choose_k's answer) as estimate_k returns it, for describe_choice and k_warning."""
     return {**found, "search": {"k_min": k_min}}
 
 
@@ -200,7 +200,7 @@ def test_a_lower_third_at_the_known_classes_is_raised_to_the_smallest_plausible_
         "K = 3, would leave no cluster for new categories, so the smallest plausible K above the 3 known classes is "
         "chosen"
     )
-    assert no_new_cluster_warning(_result(found, 3)) is None
+    assert k_warning(_result(found, 3)) is None
     # the same curve searched from 2: the lower third of 3, 5, 6 is 3, above k_min, and is the answer unchanged
     lower = choose_k(dict(table) | {2: 0.5}, dict.fromkeys([2, *table], 0.02 / BAND), _never, 2, 12, 0.0)
     assert (lower["k"], lower["k_lower_third"]) == (3, 3)
@@ -214,7 +214,7 @@ def test_only_the_known_classes_plausible_keeps_k_and_warns():
     found = choose_k(dict(table), dict.fromkeys(table, 0.01), _never, 4, 16, 0.0)
     assert (found["k"], found["k_lower_third"], found["k_range"]) == (4, 4, [4, 4])
     assert describe_choice(_result(found, 4)).endswith("the lower third is chosen")
-    assert no_new_cluster_warning(_result(found, 4)) == (
+    assert k_warning(_result(found, 4)) == (
         "K = 4 is the number of known classes, so no cluster is left for new categories (no larger K scores as "
         "well): if the unlabelled images hold new categories, set kmeans.n_clusters to the number you expect, above 4"
     )
@@ -246,7 +246,7 @@ def test_a_pool_of_only_known_classes_says_nothing_new(seed):
     res = estimate_k(x, y, labelled, 6, k_max=24, silhouette=False)
     assert res["k"] == 6 and res["k_by_score"] > 6 and not res["novelty"]["new"]
     assert res["novelty"]["z"] < Z_NEW and describe_choice(res).endswith("nothing new, K = the known classes")
-    assert no_new_cluster_warning(res).startswith("no new category was found: K = 6, the known classes")
+    assert k_warning(res).startswith("no new category was found: K = 6, the known classes")
     assert estimate_k(x, y, labelled, 6, k_max=24, silhouette=False, novelty_test=False)["k"] == res["k_by_score"]
 
 
@@ -257,7 +257,7 @@ def test_one_new_class_in_the_pool_is_seen():
     labelled, _ = gcd_split(y, list(range(6)), 0.5, 0)
     res = estimate_k(x, y, labelled, 6, k_max=24, silhouette=False)
     assert res["novelty"]["new"] and res["novelty"]["z"] > 2 * Z_NEW and res["k"] == res["k_by_score"] == 7
-    assert no_new_cluster_warning(res) is None
+    assert k_warning(res) is None
 
 
 def test_a_pool_smaller_than_k_skips_the_silhouette_with_a_note():
@@ -315,3 +315,31 @@ def test_the_novelty_statistic_by_hand():
     targets = np.asarray([0, 0, 0, 1, 1, 1, -1, -1, -1, -1])
     res = pool_novelty(x, targets, targets >= 0, 2)
     assert res["beyond"] == 0.5 and res["z"] == pytest.approx(1.5) and not res["new"]
+
+
+def test_no_k_scoring_above_the_known_classes_with_something_new_warns_that_k_is_a_lower_bound():
+    """3 known blobs 10 apart; 3 novel blobs, each 3 spreads from a known one along a dimension of its own. The pool
+    holds something new (the novelty test's z is far above its threshold), but k-means keeps each known class whole
+    only at K = 3, so no K scores above it: the answer (the smallest plausible K above the known classes) is below the
+    true 6, and the warning calls it a lower bound. The test above (one novel blob apart from the known ones, which
+    scores best at 7) gets none."""
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(6), 40)
+    shift = np.zeros((len(y), 16))
+    shift[y >= 3, 5] = 3.0
+    x = np.eye(3, 16)[y % 3] * 10 + shift + rng.normal(size=(len(y), 16))
+    labelled, _ = gcd_split(y, [0, 1, 2], 0.5, 0)
+    res = estimate_k(x, y, np.asarray(labelled, bool), 3, silhouette=False)
+    scores = res["criteria"]["labelled_accuracy"]
+    assert res["novelty"]["new"] and res["novelty"]["z"] > 2 * Z_NEW and 3 < res["k"] < 6
+    assert scores["3"] == max(scores.values()) == 1.0
+    assert k_warning(res) == (
+        f"no K scores better than the 3 known classes, yet the unlabelled images hold something new (novelty z = "
+        f"{res['novelty']['z']:.1f}): clusters for the new categories do not raise the known classes' accuracy in "
+        f"these features, so the score cannot count them; K = {res['k']} is a lower bound, not a count: set "
+        "kmeans.n_clusters to the number you expect, or estimate again on a trained run's features (infosieve "
+        "estimate-k --run)"
+    )
+    assert k_warning({**res, "novelty": None}) is None  # no novelty test: nothing says the pool holds more
+    better = {**scores, "5": 1.0 + 1e-6}  # one K scoring above the known classes: the score can count them
+    assert k_warning({**res, "criteria": {**res["criteria"], "labelled_accuracy": better}}) is None

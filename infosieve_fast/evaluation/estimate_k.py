@@ -23,11 +23,14 @@ one height, of which Brent's search climbs whichever its first steps find. So:
 - where that lower third is the number of known classes itself, which leaves no cluster for a new category, and a
   larger K is plausible too, the answer is the smallest plausible K above the known classes: the unlabelled points
   are where new categories are looked for, and the score cannot tell those K apart. Where no larger K is plausible,
-  the answer stays the known classes' number and `no_new_cluster_warning` says so;
+  the answer stays the known classes' number and `k_warning` says so;
 - "nothing new" is an answer: the score cannot give it (with only known classes in the pool a few extra clusters
   score as well), so a second test asks whether the unlabelled points lie as near the known classes as the labelled
   ones do (`novelty.py`). Where they do, K is the number of known classes and the result says no new category was
-  found (`novelty_test=False`: the score's answer alone, as before).
+  found (`novelty_test=False`: the score's answer alone, as before);
+- where no K scores better than the known classes although the novelty test finds something new, clusters for
+  the new categories do not raise the known classes' accuracy: the score cannot count them, the answer is a lower
+  bound, and `k_warning` says so (CIFAR-10's EfficientNet-Lite0 features, docs/kmeans.md).
 
 Why. On resamples of the same species the unsmoothed score's best K and the smallest K within one standard error of
 it moved by up to 15 classes: the score is flat near its peak, and its change between resamples is larger than the
@@ -237,12 +240,26 @@ def nothing_new(result: dict) -> bool:
     return result.get("novelty") is not None and not result["novelty"]["new"]
 
 
-def no_new_cluster_warning(result: dict) -> str | None:
-    """A warning when the answer is the number of known classes, which leaves no cluster for new categories: because
-    the unlabelled points look like the known classes, or because no larger K is plausible; None otherwise."""
-    known = result["search"]["k_min"]
-    if result["k"] > known:
-        return None
+def k_warning(result: dict) -> str | None:
+    """A warning when the answer cannot be taken as the number of categories, None otherwise:
+    - it is the number of known classes, which leaves no cluster for new categories, because the unlabelled points
+      look like the known classes or because no larger K is plausible;
+    - it is above them and the novelty test finds something new, but no K scored better than the known classes
+      (the score as scored, before smoothing, which can lift an edge of the curve): clusters for the new categories
+      do not raise the known classes' accuracy, so the score cannot count them, and the answer (the smallest
+      plausible K that leaves them a cluster) is a lower bound."""
+    known, k = result["search"]["k_min"], result["k"]
+    if k > known:
+        scores = result["criteria"]["labelled_accuracy"] if result.get("novelty") else {}
+        if nothing_new(result) or not scores or max(scores.values()) > scores[str(known)]:
+            return None
+        return (
+            f"no K scores better than the {known} known classes, yet the unlabelled images hold something new "
+            f"(novelty z = {result['novelty']['z']:.1f}): clusters for the new categories do not raise the known "
+            f"classes' accuracy in these features, so the score cannot count them; K = {k} is a lower bound, not a "
+            "count: set kmeans.n_clusters to the number you expect, or estimate again on a trained run's features "
+            "(infosieve estimate-k --run)"
+        )
     if nothing_new(result):
         return (
             f"no new category was found: K = {known}, the known classes (the unlabelled images lie as near them as the "

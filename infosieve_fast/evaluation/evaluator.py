@@ -212,7 +212,7 @@ class Evaluator:
 
     def _estimate_k(self, fs: FeatureSet) -> int:
         """`kmeans.n_clusters=auto`: GCD's estimate of K from `fs` (all ranks' shares), said on the terminal."""
-        from .estimate_k import describe_choice, estimate_k, no_new_cluster_warning
+        from .estimate_k import describe_choice, estimate_k, k_warning
         from .feature_view import describe_feature_view
 
         feats, targets, labelled = (dist.all_gather_cat(t)[0].cpu() for t in (fs.feats, fs.targets, fs.labelled))
@@ -226,7 +226,7 @@ class Evaluator:
             print(f"kmeans.n_clusters=auto: estimated K = {found['k']} (the dataset has {known}); {said}")
             view = describe_feature_view(self.augment.cfg.crop_size, getattr(self.source, "size", None))
             print(f"kmeans.n_clusters=auto: {view}")
-            warning = no_new_cluster_warning(found)
+            warning = k_warning(found)
             if warning:
                 print(f"kmeans.n_clusters=auto: WARNING: {warning}")
         return found["k"]
