@@ -12,6 +12,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "methods.md"
 TABLES = {  # section heading: the compare file its table shows
     "## The digits, side by side": "methods_demo_cpu.json",
+    "### The demo's 12 epochs": "methods_demo_12_epochs_cpu.json",
     "## cub100 held-out species": "methods_cub100_heldout_60-79_cpu.json",
 }
 COLUMNS = {  # a table's column header: where its cells come from in a compare file's entry
