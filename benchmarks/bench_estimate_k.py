@@ -86,7 +86,7 @@ def stability(feats, y, known: int, *, resamples: int, drop: float, seeds: int, 
 def one_estimate(feats, y, labelled, known: int, n_seeds: int) -> dict:
     """estimate-k's answer on one sample (without the silhouette, which does not choose K)."""
     torch.set_num_threads(1)  # one sample per worker process
-    res = estimate_k(feats, y, labelled, known, n_seeds=n_seeds, silhouette=False)
+    res = estimate_k(feats, y, labelled, known, rule="score", n_seeds=n_seeds, silhouette=False)
     evaluated = sorted(map(int, res["criteria"]["labelled_accuracy"]))
     return {"n": len(y), **{k: res.get(k) for k in ("k", "k_range", "k_by_argmax", "seconds")}, "evaluated": evaluated}
 

@@ -55,12 +55,17 @@ def measure(path: str, name: str, ranges, args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_sample_arguments(ap: argparse.ArgumentParser, sets_help: str) -> None:
+    """The features files, the class sets and the resamples that this benchmark and bench_k_neighbours.py measure."""
     ap.add_argument("--features", nargs="+", required=True, help=".npz files with F [N, D] and y [N]")
-    ap.add_argument("--sets", nargs="+", required=True, help="class sets: comma lists of LO-HI ranges, or all")
+    ap.add_argument("--sets", nargs="+", required=True, help=sets_help)
     ap.add_argument("--resamples", type=int, default=3)
     ap.add_argument("--drop", type=float, default=0.02, help="share of the images each resample drops")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sample_arguments(ap, "class sets: comma lists of LO-HI ranges, or all")
     ap.add_argument("--seeds", type=int, default=4, help="k-means runs per K (estimate-k's --seeds)")
     ap.add_argument("--workers", type=int, default=1, help="samples estimated at once, one process each")
     ap.add_argument("--json", help="also write the result here (after every set)")

@@ -28,7 +28,14 @@ from benchmarks.bench_estimate_k import class_range, drop_resamples, load_classe
 from benchmarks.harness import Stopwatch
 from benchmarks.tools.provenance import emit_json
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.evaluation.estimate_k import checked_inputs, labelled_accuracy, plausible_ks, pooled_error, smoothed
+from infosieve_fast.evaluation.estimate_k import (
+    checked_inputs,
+    labelled_accuracy,
+    plausible_ks,
+    pooled_error,
+    search_top,
+    smoothed,
+)
 
 WIDTHS = (0.3, 0.5, 0.75, 1.0, 1.25, 1.5)
 BANDS = (2.0, 3.0, 4.0, 5.0, 6.0)
@@ -43,7 +50,8 @@ def class_set(text: str) -> tuple[int, int, int]:
 
 def score_curve(feats, y, labelled, known: int, seeds: int) -> dict[int, tuple[float, float]]:
     """(mean, standard error) of the labelled accuracy at every (known // 10)th K of estimate-k's range."""
-    x, y, lab, k_max = checked_inputs(feats, y, labelled, known, None, "cpu")
+    x, y, lab = checked_inputs(feats, y, labelled, known, "cpu")
+    k_max = search_top(len(x), known, None)
     step = max(1, known // 10)
     return {
         k: labelled_accuracy(x, y, lab, k, n_seeds=seeds, max_iter=10, seed=0, subsample=0.9)

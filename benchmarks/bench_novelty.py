@@ -35,7 +35,7 @@ def pool_z(feats, y, species: np.ndarray, known: int, novel: int, seed: int, qua
     relabel[used] = np.arange(len(used))
     targets = relabel[y[keep]]
     labelled = np.asarray(gcd_split(targets, list(range(known)), 0.5, seed)[0], bool)
-    x, targets, labelled, _ = checked_inputs(feats[keep], targets, labelled, known, len(targets), "cpu")
+    x, targets, labelled = checked_inputs(feats[keep], targets, labelled, known, "cpu")
     return pool_novelty(x, targets, labelled, known, quantile)["z"]
 
 

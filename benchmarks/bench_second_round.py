@@ -6,7 +6,7 @@ image of the novel species, as in the issue's loop (5 known, 5 novel). Round 1 c
 images anchored (semi-supervised k-means, K = known + novel, the configs' balanced `reference` mode). Each novel
 cluster is named by its majority species, one cluster per species (the larger wins), as
 benchmarks/bench_discovery_loop.py names them, and, as `infosieve export` does, a named cluster's pool images join
-the labelled images under that name whatever their species. Round 2 asks estimate-k (its rule and its novelty test)
+the labelled images under that name whatever their species. Round 2 asks estimate-k (its `--rule` and its novelty test)
 for K with the known classes and the named ones, on the labelled images and the pool left: the known species'
 images that round 1 put in known clusters, and the leftovers (images round 1 put in unnamed clusters or in another
 species' cluster). The pool holds something new only where a novel species was not named. Each draw also asks
@@ -59,7 +59,7 @@ def majority_names(clusters: np.ndarray, species: np.ndarray, n_old: int) -> dic
     return named
 
 
-def second_round(x, targets, labelled, known: int, novel: int, seed: int) -> dict:
+def second_round(x, targets, labelled, known: int, novel: int, seed: int, rule: str) -> dict:
     """Round 1, the naming and the export, then estimate-k on round 2's labelled images and pool."""
     pool = np.flatnonzero(~labelled)
     clusters = first_round(x, targets, labelled, known + novel, seed)
@@ -70,7 +70,7 @@ def second_round(x, targets, labelled, known: int, novel: int, seed: int) -> dic
         targets2[pool[clusters == k]] = round2_class[c]
     labelled2 = targets2 != UNLABELLED
     left = targets[~labelled2]
-    found = estimate_k(x, targets2, labelled2, len(round2_class), silhouette=False)
+    found = estimate_k(x, targets2, labelled2, len(round2_class), rule=rule, silhouette=False)
     return {
         "known": len(round2_class),
         "named": len(named),
@@ -84,17 +84,15 @@ def second_round(x, targets, labelled, known: int, novel: int, seed: int) -> dic
 
 
 def answer(found: dict) -> dict:
-    return {k: found[k] for k in ("k", "k_by_score", "k_range")} | {"novelty_z": found["novelty"]["z"]}
+    rule_answer = f"k_by_{found['rule']}"
+    return {k: found[k] for k in ("k", rule_answer, "k_range")} | {"novelty_z": found["novelty"]["z"]}
 
 
-def only_known(x, targets, labelled, known: int) -> dict:
+def only_known(x, targets, labelled, known: int, rule: str) -> dict:
     """estimate-k with a pool of only the known species' other half."""
     rows = targets < known
-    return {
-        "known": known,
-        "pool": int((rows & ~labelled).sum()),
-        **answer(estimate_k(x[torch.from_numpy(rows)], targets[rows], labelled[rows], known, silhouette=False)),
-    }
+    found = estimate_k(x[torch.from_numpy(rows)], targets[rows], labelled[rows], known, rule=rule, silhouette=False)
+    return {"known": known, "pool": int((rows & ~labelled).sum()), **answer(found)}
 
 
 def measure(path: str, lo: int, hi: int, args) -> dict:
@@ -113,11 +111,19 @@ def measure(path: str, lo: int, hi: int, args) -> dict:
             {
                 "draw": r,
                 "species": (species + lo).tolist(),
-                "second_round": second_round(x[torch.from_numpy(keep)], targets, labelled, args.known, args.novel, r),
-                "only_known": only_known(x[torch.from_numpy(keep)], targets, labelled, args.known),
+                "second_round": second_round(
+                    x[torch.from_numpy(keep)], targets, labelled, args.known, args.novel, r, args.rule
+                ),
+                "only_known": only_known(x[torch.from_numpy(keep)], targets, labelled, args.known, args.rule),
             }
         )
-    return {"features": path.rsplit("/", 1)[-1], "classes": f"{lo}-{hi}", "draws": rows, **summary(rows)}
+    return {
+        "features": path.rsplit("/", 1)[-1],
+        "classes": f"{lo}-{hi}",
+        "rule": args.rule,
+        "draws": rows,
+        **summary(rows),
+    }
 
 
 def summary(rows: list[dict]) -> dict:
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--known", type=int, default=5, help="known species a draw (5, as in the issue)")
     ap.add_argument("--novel", type=int, default=5, help="novel species a draw (5)")
     ap.add_argument("--draws", type=int, default=10)
+    ap.add_argument("--rule", choices=("neighbours", "score"), default="neighbours", help="estimate-k's --rule")
     ap.add_argument("--json", help="also write the result here (after every features file)")
     args = smoke.shrink(ap.parse_args(argv), classes=(0, 5), known=2, novel=2, draws=1)
     lo, hi = args.classes

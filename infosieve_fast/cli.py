@@ -215,6 +215,8 @@ def _estimate_k(args: argparse.Namespace) -> int:
 
     if bool(args.run) == bool(args.features):
         raise UsageError("estimate-k needs exactly one of --run RUN_DIR or --features FILE.npz")
+    if args.rule != "score" and (args.k_max is not None or args.seeds is not None):
+        raise UsageError("--k-max and --seeds set the score's search: add --rule score, or drop them")
     if args.run and args.known_classes is not None:
         raise UsageError("--known-classes goes with --features; a run knows its known classes: drop --known-classes")
     if args.features:
@@ -241,8 +243,9 @@ def _estimate_k(args: argparse.Namespace) -> int:
         targets,
         labelled,
         n_old,
+        rule=args.rule,
         k_max=args.k_max,
-        n_seeds=args.seeds,
+        n_seeds=4 if args.seeds is None else args.seeds,
         progress=lambda msg: print(msg, file=sys.stderr),
     )
     print(f"K = {result['k']}: {describe_choice(result)}", file=sys.stderr)
@@ -388,8 +391,15 @@ def _estimate_k_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", metavar="RUN_DIR", help="a run folder: its checkpoint's features of the train samples")
     p.add_argument("--features", metavar="FILE.npz", help="an .npz with F [N, D] and y [N]")
     p.add_argument("--known-classes", type=int, metavar="C", help="with --features: classes 0..C-1 are known")
-    p.add_argument("--k-max", type=int, help="largest K searched (default 4 x the known classes)")
-    p.add_argument("--seeds", type=int, default=4, help="k-means runs averaged per K (default 4)")
+    p.add_argument(
+        "--rule",
+        choices=("neighbours", "score"),
+        default="neighbours",
+        help="neighbours (default): count the unlabelled images without labelled neighbours, in classes of the known "
+        "classes' mean size; score: search GCD's labelled-accuracy score over K (docs/kmeans.md compares them)",
+    )
+    p.add_argument("--k-max", type=int, help="with --rule score: largest K searched (default 4 x the known classes)")
+    p.add_argument("--seeds", type=int, help="with --rule score: k-means runs averaged per K (default 4)")
     p.add_argument("--json", help="also write the result here")
     add_source_argument(p)
 
@@ -442,7 +452,7 @@ _COMMANDS = (
      _name_arguments, _name),
     ("export", "your images again, named clusters as labelled classes, for the next round", _export_arguments,
      _export),
-    ("estimate-k", "estimate the number of categories (GCD's method) from a run or features", _estimate_k_arguments,
+    ("estimate-k", "estimate the number of categories from a run or features", _estimate_k_arguments,
      _estimate_k),
     ("make-shards", "write a dataset's GCD split as WebDataset shards", shards.add_cli_arguments, _make_shards),
     ("sweep", "run a config over seeds and a grid of --set values, and summarise them", _sweep_arguments, _sweep),

@@ -23,11 +23,16 @@ def test_two_named_blobs_leave_a_pool_of_known_classes_and_k_is_their_number():
     joins the labelled ones (none of another species), and round 2's pool is the known blobs' other half: nothing
     new, so estimate-k answers the 5 classes now known (z -3.2). In 32 dimensions instead of 256 the same draw gives
     z 2.9 and K = 6: the named classes are labelled whole (40 images, the known ones 20), so their points lie nearer
-    their own means, the labelled points' distance quantile is lower and more of the pool lies beyond it."""
+    their own means, the labelled points' distance quantile is lower and more of the pool lies beyond it. Without the
+    novelty test, the neighbours count reads each class by its own share of labelled neighbours, so the named classes,
+    labelled whole, do not make the known ones' unlabelled half look new: it counts 5 too; the score answers 6."""
     x, y = _blobs(5, 40, dim=256)
     labelled = np.asarray(gcd_split(y, [0, 1, 2], 0.5, 0)[0], bool)
     x = torch.from_numpy(x).float()
-    found = second_round(x / x.norm(dim=1, keepdim=True), y, labelled, 3, 2, 0)
-    assert (found["known"], found["named"], found["moved"], found["moved_other_species"]) == (5, 2, 80, 0)
-    assert (found["pool"], found["leftovers"], found["new_species_in_pool"]) == (60, 0, 0)
-    assert found["k"] == 5 and found["novelty_z"] < 2.5
+    x = x / x.norm(dim=1, keepdim=True)
+    counted, scored = (second_round(x, y, labelled, 3, 2, 0, rule) for rule in ("neighbours", "score"))
+    for found in (counted, scored):
+        assert (found["known"], found["named"], found["moved"], found["moved_other_species"]) == (5, 2, 80, 0)
+        assert (found["pool"], found["leftovers"], found["new_species_in_pool"]) == (60, 0, 0)
+        assert found["k"] == 5 and found["novelty_z"] < 2.5
+    assert counted["k_by_neighbours"] == 5 and scored["k_by_score"] == 6

@@ -87,6 +87,7 @@ CASES = {
     "kmeans.eval_balanced": ("sometimes", False),
     "kmeans.distance_precision": ("fp16", "bf16"),
     "kmeans.n_clusters": (1, "auto"),
+    "kmeans.k_rule": ("silhouette", "score"),
     "kmeans.cluster_size": (0, 50),
     "kmeans.freeze_labelled_centers": ("always", True),
     "gcd.sup_con_weight": (1.5, 0.5),

@@ -45,7 +45,7 @@ def test_separated_blobs_give_their_number_within_one():
     x, y = _blobs(12, 30)
     labelled, _ = gcd_split(y, list(range(6)), 0.5, 0)
     said = []
-    res = estimate_k(x, y, labelled, 6, k_max=30, progress=said.append)
+    res = estimate_k(x, y, labelled, 6, rule="score", k_max=30, progress=said.append)
     assert res["k"] in (12, 13) and res["k_by_argmax"] in (12, 13, 14)
     curve = {int(k): v for k, v in res["criteria"]["labelled_accuracy"].items()}
     errors = {int(k): v for k, v in res["criteria"]["labelled_accuracy_standard_error"].items()}
@@ -70,7 +70,8 @@ def test_real_cub100_features_within_15_percent(realdata, tmp_path, capsys):
     """The issue's check: EfficientNet-Lite0 features of the 100 CUB species, the first 50 known."""
     out = tmp_path / "k.json"
     path = realdata / "features" / "cub100_efflite0_224_feats.npz"
-    assert cli.main(["estimate-k", "--features", str(path), "--known-classes", "50", "--json", str(out)]) == 0
+    argv = ["--features", str(path), "--known-classes", "50", "--rule", "score", "--json", str(out)]
+    assert cli.main(["estimate-k", *argv]) == 0
     res, said = json.loads(out.read_text()), capsys.readouterr()
     assert res == json.loads(said.out)
     assert 85 <= res["k"] <= 115, res["k"]
@@ -83,7 +84,7 @@ def test_real_cub100_features_within_15_percent(realdata, tmp_path, capsys):
 def test_bad_inputs_are_named(tmp_path, capsys):
     x, y = _blobs(4, 10)
     with pytest.raises(ValueError, match="k_max=3 must exceed the 3 known classes"):
-        estimate_k(x, y, y < 2, 3, k_max=3)
+        estimate_k(x, y, y < 2, 3, rule="score", k_max=3)
     with pytest.raises(ValueError, match="labelled and unlabelled"):
         estimate_k(x, y, np.ones(len(y), bool), 2)
     np.savez(tmp_path / "f.npz", F=x)
@@ -184,7 +185,7 @@ def test_a_lone_high_k_does_not_decide_once_smoothed():
 
 def _result(found: dict, k_min: int) -> dict:
     """`found` (choose_k's answer) as estimate_k returns it, for describe_choice and k_warning."""
-    return {**found, "search": {"k_min": k_min}}
+    return {**found, "rule": "score", "k_by_score": found["k"], "search": {"k_min": k_min}}
 
 
 def test_a_lower_third_at_the_known_classes_is_raised_to_the_smallest_plausible_k_above_them():
@@ -227,7 +228,9 @@ def test_new_classes_that_look_like_known_ones_give_the_known_number_with_a_warn
     rng = np.random.default_rng(0)
     y = np.repeat(np.arange(4), 30)
     np.savez(tmp_path / "f.npz", F=np.eye(2, 8)[y % 2] * 10 + rng.normal(size=(len(y), 8)), y=y)
-    assert cli.main(["estimate-k", "--features", str(tmp_path / "f.npz"), "--known-classes", "2"]) == 0
+    assert (
+        cli.main(["estimate-k", "--features", str(tmp_path / "f.npz"), "--known-classes", "2", "--rule", "score"]) == 0
+    )
     said = capsys.readouterr()
     res = json.loads(said.out)
     assert (res["k"], res["k_range"], res["k_lower_third"]) == (2, [2, 2], 2)
@@ -243,11 +246,12 @@ def test_a_pool_of_only_known_classes_says_nothing_new(seed):
     classes); the pool's points lie as near the known classes as the labelled ones do, so K = 6."""
     x, y = _blobs(6, 40, seed=seed)
     labelled, _ = gcd_split(y, list(range(6)), 0.5, 0)
-    res = estimate_k(x, y, labelled, 6, k_max=24, silhouette=False)
+    res = estimate_k(x, y, labelled, 6, rule="score", k_max=24, silhouette=False)
     assert res["k"] == 6 and res["k_by_score"] > 6 and not res["novelty"]["new"]
     assert res["novelty"]["z"] < Z_NEW and describe_choice(res).endswith("nothing new, K = the known classes")
     assert k_warning(res).startswith("no new category was found: K = 6, the known classes")
-    assert estimate_k(x, y, labelled, 6, k_max=24, silhouette=False, novelty_test=False)["k"] == res["k_by_score"]
+    without_test = estimate_k(x, y, labelled, 6, rule="score", k_max=24, silhouette=False, novelty_test=False)
+    assert without_test["k"] == res["k_by_score"]
 
 
 def test_one_new_class_in_the_pool_is_seen():
@@ -255,7 +259,7 @@ def test_one_new_class_in_the_pool_is_seen():
     labelled points (z far above the threshold) and K = 7; with 12 blobs, 6 novel, K = 12 (the test above's)."""
     x, y = _blobs(7, 40)
     labelled, _ = gcd_split(y, list(range(6)), 0.5, 0)
-    res = estimate_k(x, y, labelled, 6, k_max=24, silhouette=False)
+    res = estimate_k(x, y, labelled, 6, rule="score", k_max=24, silhouette=False)
     assert res["novelty"]["new"] and res["novelty"]["z"] > 2 * Z_NEW and res["k"] == res["k_by_score"] == 7
     assert k_warning(res) is None
 
@@ -267,7 +271,8 @@ def test_a_pool_smaller_than_k_skips_the_silhouette_with_a_note():
     rng = np.random.default_rng(0)
     y = np.array([0] * 4 + [1] * 4 + [2] * 4 + [3, 3, 4, 4])
     said = []
-    res = estimate_k(np.eye(8)[y] * 8 + rng.normal(size=(16, 8)), y, np.arange(16) < 12, 3, progress=said.append)
+    feats = np.eye(8)[y] * 8 + rng.normal(size=(16, 8))
+    res = estimate_k(feats, y, np.arange(16) < 12, 3, rule="score", progress=said.append)
     assert res["search"]["k_max"] == 8 and list(res["criteria"]["unlabelled_silhouette"]) == ["3"]
     assert res["k_by_silhouette"] == 3
     assert "silhouette skipped for K >= 4: it needs fewer clusters than the 4 unlabelled points" in said
@@ -283,7 +288,7 @@ def test_too_few_known_classes_or_points_are_refused():
     with pytest.raises(ValueError, match="estimating K needs at least 2 known classes, got 1: .* give K as a number"):
         estimate_k(x, y, y < 1, 1)
     with pytest.raises(ValueError, match=r"^6 points are too few to estimate K: .* half the points, 3, which is not "):
-        estimate_k(x[:6], np.arange(6) % 4, np.arange(6) < 2, 3)
+        estimate_k(x[:6], np.arange(6) % 4, np.arange(6) < 2, 3, rule="score")
 
 
 @pytest.mark.parametrize(
@@ -329,7 +334,7 @@ def test_no_k_scoring_above_the_known_classes_with_something_new_warns_that_k_is
     shift[y >= 3, 5] = 3.0
     x = np.eye(3, 16)[y % 3] * 10 + shift + rng.normal(size=(len(y), 16))
     labelled, _ = gcd_split(y, [0, 1, 2], 0.5, 0)
-    res = estimate_k(x, y, np.asarray(labelled, bool), 3, silhouette=False)
+    res = estimate_k(x, y, np.asarray(labelled, bool), 3, rule="score", silhouette=False)
     scores = res["criteria"]["labelled_accuracy"]
     assert res["novelty"]["new"] and res["novelty"]["z"] > 2 * Z_NEW and 3 < res["k"] < 6
     assert scores["3"] == max(scores.values()) == 1.0
@@ -337,8 +342,8 @@ def test_no_k_scoring_above_the_known_classes_with_something_new_warns_that_k_is
         f"no K scores better than the 3 known classes, yet the unlabelled images hold something new (novelty z = "
         f"{res['novelty']['z']:.1f}): clusters for the new categories do not raise the known classes' accuracy in "
         f"these features, so the score cannot count them; K = {res['k']} is a lower bound, not a count: set "
-        "kmeans.n_clusters to the number you expect, or estimate again on a trained run's features (infosieve "
-        "estimate-k --run)"
+        "kmeans.n_clusters to the number you expect, or estimate again with the neighbours rule (--rule neighbours) "
+        "or on a trained run's features (infosieve estimate-k --run)"
     )
     assert k_warning({**res, "novelty": None}) is None  # no novelty test: nothing says the pool holds more
     better = {**scores, "5": 1.0 + 1e-6}  # one K scoring above the known classes: the score can count them

@@ -11,15 +11,17 @@ from infosieve_fast.evaluation.feature_view import describe_feature_view, made_f
 
 def test_a_feature_scale_moves_nothing():
     """Features times 40 (what a backbone whose outputs grow with the input's size would give): every K scored, the
-    answer, the range and the novelty statistic are those of the features as they are."""
+    answer, the range and the novelty statistic are those of the features as they are, by either rule."""
     rng = np.random.default_rng(0)
     y = np.repeat(np.arange(8), 25)
     x = rng.normal(size=(8, 16))[y] * 3 + rng.normal(size=(len(y), 16))
     labelled, _ = gcd_split(y, list(range(4)), 0.5, 0)
-    plain, scaled = (estimate_k(f, y, labelled, 4, k_max=16, silhouette=False) for f in (x, x * 40))
+    plain, scaled = (estimate_k(f, y, labelled, 4, rule="score", k_max=16, silhouette=False) for f in (x, x * 40))
     for key in ("k", "k_range", "k_by_argmax", "novelty"):
         assert plain[key] == scaled[key], key
     assert plain["criteria"]["labelled_accuracy"] == scaled["criteria"]["labelled_accuracy"]
+    counted = [estimate_k(f, y, labelled, 4)["count"] for f in (x, x * 40)]
+    assert counted[0] == counted[1]  # the neighbours count: its shares, sizes and range
 
 
 def test_the_log_names_the_setting_that_moved_the_view():

@@ -14,19 +14,19 @@ def _cfg(*extra):
     return load_config("configs/demo.yaml", [*SMOKE, "schedule.epochs=1", "train.device=cpu", *extra])
 
 
-def test_auto_estimates_k_once_before_training_and_keeps_it(tmp_path, capsys):
-    cfg = _cfg("kmeans.n_clusters=auto")
+@pytest.mark.parametrize(("rule", "says"), [("neighbours", "lack the labelled neighbours"), ("score", "plausible K")])
+def test_auto_estimates_k_once_before_training_and_keeps_it(rule, says, tmp_path, capsys):
+    cfg = _cfg("kmeans.n_clusters=auto", f"kmeans.k_rule={rule}")
     train(cfg, tmp_path / "run")
+    out = capsys.readouterr().out
     # the view the features came from (the digits have no stored size: the crop of each upscaled image)
-    assert (
-        "kmeans.n_clusters=auto: the features are those of the centre 32 px crop of each image\n"
-        in capsys.readouterr().out
-    )
+    assert "kmeans.n_clusters=auto: the features are those of the centre 32 px crop of each image\n" in out
     state = load_checkpoint(tmp_path / "run")
     fresh = Trainer(_cfg())  # the same seed: the same initial backbone
     fs = fresh.evaluator.features("test")
-    want = estimate_k(fs.feats.numpy(), fs.targets.numpy(), fs.labelled.numpy(), fresh.source.n_old)["k"]
+    want = estimate_k(fs.feats.numpy(), fs.targets.numpy(), fs.labelled.numpy(), fresh.source.n_old, rule=rule)["k"]
     assert state["n_clusters"] == want and len(state["centers"]) == want
+    assert f"kmeans.n_clusters=auto: estimated K = {want} (the dataset has 10 classes); " in out and says in out
 
 
 def test_a_given_k_is_used_for_every_round(tmp_path):

@@ -32,6 +32,7 @@ CHOICES = {
     "kmeans.balance": ("reference", "capacity"),
     "kmeans.backend": ("auto", "torch", "faiss"),
     "kmeans.distance_precision": ("fp32", "tf32", "bf16"),
+    "kmeans.k_rule": ("neighbours", "score"),
     "data.source": ("shards", "digits"),
     "data.sampling": ("weighted", "shuffle"),
     "data.cache": ("auto", "gpu", "cpu", "off"),

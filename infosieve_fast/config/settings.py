@@ -150,8 +150,11 @@ class KMeansConfig:
     # bound of a tie are re-searched exactly, so every nearest centre is fp32's (docs/kmeans.md)
     distance_precision: str = "fp32"
     # clusters: null = the dataset's number of classes (the published runs) | an integer | "auto": estimated from
-    # the backbone features before training (GCD's method, `infosieve estimate-k`), then kept for the whole run
+    # the backbone features before training (`infosieve estimate-k`, by `k_rule`), then kept for the whole run
     n_clusters: int | str | None = None
+    # n_clusters=auto's rule: "neighbours" counts the unlabelled images without labelled neighbours | "score": GCD's
+    # labelled-accuracy search (docs/kmeans.md compares them)
+    k_rule: str = "neighbours"
     # balanced rounds' capacity: null = ceil(N / K), as published (docs/reference.md §5.2); an integer >= 1 sets it
     cluster_size: int | None = None
     # labelled clusters keep their class mean as centre in every iteration (the published code frees them in Phase B)

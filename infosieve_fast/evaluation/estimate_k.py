@@ -1,7 +1,11 @@
-"""Estimate the number of categories K when it is unknown (`infosieve estimate-k`).
+"""Estimate the number of categories K when it is unknown (`infosieve estimate-k`), by one of two rules.
 
-The method is GCD's (Vaze et al. 2022, `methods/estimate_k/estimate_k.py`). For a candidate K, k-means runs on all the
-points, labelled and unlabelled, ignoring the labels. The score is the clustering accuracy (Hungarian) on the
+The default, `rule="neighbours"`, counts the unlabelled images that lack the labelled neighbours the known classes'
+images have, in classes of the known classes' mean size (neighbour_count.py). `rule="score"` is GCD's search, below.
+Both end with the novelty test ("nothing new", below). docs/kmeans.md measures both.
+
+The score rule is GCD's (Vaze et al. 2022, `methods/estimate_k/estimate_k.py`). For a candidate K, k-means runs on
+all the points, labelled and unlabelled, ignoring the labels. The score is the clustering accuracy (Hungarian) on the
 labelled points. Too few clusters merge known classes; too many split them. GCD maximises the score over
 [n_old, k_max] with a bounded Brent search.
 
@@ -63,6 +67,7 @@ from sklearn.metrics import silhouette_score
 
 from ..kmeans import semi_supervised_kmeans
 from .metrics import cluster_acc
+from .neighbour_count import count_by_neighbours
 from .novelty import Z_NEW, pool_novelty
 
 SILHOUETTE_SAMPLE = 4000
@@ -121,12 +126,16 @@ def unlabelled_silhouette(
     return float(silhouette_score(x, pred, sample_size=size, random_state=seed))
 
 
+RULES = ("neighbours", "score")
+
+
 def estimate_k(
     feats,
     targets,
     labelled,
     n_old: int,
     *,
+    rule: str = "neighbours",
     k_max: int | None = None,
     n_seeds: int = 4,
     max_iter: int = 10,
@@ -139,15 +148,62 @@ def estimate_k(
     novelty_test: bool = True,
 ) -> dict:
     """Estimate K from features [N, D] (L2-normalised here), targets [N] (used on the labelled points only) and the
-    labelled mask [N]. Searches [n_old, k_max] (default: 4 x n_old, at most N // 2). Returns a JSON-ready dict: `k`,
-    the method, `k_range` (the smallest and largest plausible K), `k_by_argmax` (of the smoothed score), the pooled
-    standard error, both criteria's curves over the K scored (sorted; the labelled accuracy as scored and smoothed;
-    the silhouette on the grid's K and the answer, when `silhouette`), and the time taken. `subsample` 1 and
-    `bandwidth` 0: every run clusters all the points, and the scores are not smoothed. `novelty_test`: K is the
-    number of known classes where the unlabelled points hold nothing new (`novelty.py`; the result's `novelty`, and
-    `k_by_score`, the score's own answer)."""
-    x, y, lab, k_max = checked_inputs(feats, targets, labelled, n_old, k_max, device)
+    labelled mask [N]. `rule`: "neighbours" counts the unlabelled images without labelled neighbours
+    (neighbour_count.py; `seed` draws its subsample of large sets), "score" searches GCD's score over
+    [n_old, k_max] (default: 4 x n_old, at most N // 2) with `n_seeds` k-means runs of `max_iter` iterations per K.
+    Returns a JSON-ready dict: `k`, the `rule` and its `method`, `k_range`, `k_by_<rule>` (the rule's own answer),
+    the `novelty` test, the seconds taken, and each rule's own account: the count (`count`) or the score's search
+    (`search`, `k_lower_third`, `k_by_argmax`, the pooled standard error, both criteria's curves over the K scored,
+    sorted: the labelled accuracy as scored and smoothed, the silhouette on the grid's K and the answer when
+    `silhouette`). `subsample` 1 and `bandwidth` 0: every score run clusters all the points, and the scores are not
+    smoothed. `novelty_test`: K is the number of known classes where the unlabelled points hold nothing new
+    (`novelty.py`); False: the rule's own answer."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    x, y, lab = checked_inputs(feats, targets, labelled, n_old, device)
     start = time.perf_counter()
+    if rule == "neighbours":
+        found = neighbours_estimate(x, y, lab, n_old, seed)
+    else:
+        k_max = search_top(len(x), n_old, k_max)
+        found = score_estimate(x, y, lab, n_old, k_max, n_seeds, max_iter, seed, progress, subsample, bandwidth)
+    novelty = pool_novelty(x, y, lab, n_old) if novelty_test else None
+    k = n_old if novelty is not None and not novelty["new"] else found[f"k_by_{rule}"]
+    if rule == "score":
+        found = with_criteria(
+            found, k, x, y, lab, max_iter=max_iter, seed=seed, silhouette=silhouette, progress=progress
+        )
+    return {"k": k, "rule": rule, **found, "novelty": novelty, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def neighbours_estimate(x: torch.Tensor, y: np.ndarray, lab: np.ndarray, n_old: int, seed: int) -> dict:
+    """The neighbours rule's part of estimate_k's result."""
+    count = count_by_neighbours(x, y, lab, n_old, seed=seed)
+    return {
+        "method": f"the unlabelled images without labelled neighbours ({count['neighbours']} nearest), counted in "
+        "classes of the known classes' mean size",
+        "search": {"k_min": n_old, "neighbours": count["neighbours"], "seed": seed},
+        "k_by_neighbours": count["k"],
+        "k_range": count["k_range"],
+        "count": count,
+    }
+
+
+def score_estimate(
+    x: torch.Tensor,
+    y: np.ndarray,
+    lab: np.ndarray,
+    n_old: int,
+    k_max: int,
+    n_seeds: int,
+    max_iter: int,
+    seed: int,
+    progress: Callable[[str], None] | None,
+    subsample: float,
+    bandwidth: float,
+) -> dict:
+    """The score rule's part of estimate_k's result, with its raw `scores`, `errors`, smoothed `curve` and the `grid`
+    of K, for `with_criteria` to finish once the answer is known."""
     scores: dict[int, float] = {}
     errors: dict[int, float] = {}
 
@@ -163,12 +219,7 @@ def estimate_k(
         score(k)
     width = bandwidth * n_old
     found = choose_k(scores, errors, score, n_old, k_max, width)
-    novelty = pool_novelty(x, y, lab, n_old) if novelty_test else None
-    k = n_old if novelty is not None and not novelty["new"] else found["k"]
-    shown = silhouette_ks(sorted({*grid, k}) if silhouette else [], int((~lab).sum()), progress)
-    silhouettes = {k: unlabelled_silhouette(x, y, lab, k, max_iter=max_iter, seed=seed) for k in shown}
     return {
-        "k": k,
         "method": "GCD's score (k-means on all points, Hungarian accuracy on the labelled ones) on subsamples, "
         "smoothed across K; a grid, then the plausible range",
         "search": {
@@ -181,15 +232,27 @@ def estimate_k(
             "smoothing_width": round(width, 6),
         },
         "k_by_score": found["k"],
-        "novelty": novelty,
         "k_range": found["k_range"],
         "k_lower_third": found["k_lower_third"],
         "k_by_argmax": found["k_by_argmax"],
         "pooled_standard_error": round(found["noise"], 6),
-        "criteria": criteria_curves(scores, errors, found["curve"], silhouettes),
-        "k_by_silhouette": max(silhouettes, key=lambda k: silhouettes[k]) if silhouettes else None,
-        "seconds": round(time.perf_counter() - start, 2),
+        "scores": scores,
+        "errors": errors,
+        "curve": found["curve"],
+        "grid": grid,
     }
+
+
+def with_criteria(found: dict, k: int, x, y, lab, *, max_iter: int, seed: int, silhouette: bool, progress) -> dict:
+    """`found` (score_estimate's) with its curves as `criteria` and `k_by_silhouette`, the silhouette taken on the
+    grid's K and the answer `k`."""
+    found = dict(found)
+    grid, scores, errors, curve = (found.pop(key) for key in ("grid", "scores", "errors", "curve"))
+    shown = silhouette_ks(sorted({*grid, k}) if silhouette else [], int((~lab).sum()), progress)
+    silhouettes = {k: unlabelled_silhouette(x, y, lab, k, max_iter=max_iter, seed=seed) for k in shown}
+    found["criteria"] = criteria_curves(scores, errors, curve, silhouettes)
+    found["k_by_silhouette"] = max(silhouettes, key=lambda k: silhouettes[k]) if silhouettes else None
+    return found
 
 
 def silhouette_ks(ks: list[int], n_unlabelled: int, progress: Callable[[str], None] | None) -> list[int]:
@@ -213,26 +276,39 @@ def criteria_curves(scores: dict, errors: dict, smoothed: dict, silhouettes: dic
 
 
 def describe_choice(result: dict) -> str:
-    """The answer's line for the terminal: the plausible range, the best smoothed score's K and the rule."""
-    low, high = result["k_range"]
-    third, known = result["k_lower_third"], result["search"]["k_min"]
-    rule = "the lower third is chosen"
+    """The answer's line for the terminal: how the rule reached its K, and the range."""
+    known = result["search"]["k_min"]
+    if result["rule"] == "neighbours":
+        count = result["count"]
+        low, high = result["k_range"]
+        said = (
+            f"{count['novel_share']:.0%} of the unlabelled images (about {count['novel_images']:.0f}) lack the "
+            f"labelled neighbours ({count['neighbours']} nearest) that the known classes' images have; at the known "
+            f"classes' mean size, {count['class_size']:.0f} images, that is {count['k_unrounded'] - known:.1f} new "
+            f"classes: K = {result['k_by_neighbours']} (K {low}-{high} if the new classes' sizes vary as the known "
+            "ones' do)"
+        )
+    else:
+        low, high = result["k_range"]
+        third = result["k_lower_third"]
+        rule = "the lower third is chosen"
+        if result["k_by_score"] != third:
+            rule = (
+                f"the lower third, K = {third}, would leave no cluster for new categories, so the smallest "
+                f"plausible K above the {known} known classes is chosen"
+            )
+        said = (
+            f"plausible K {low}-{high}, within {BAND:g} pooled standard errors of the best smoothed score (K = "
+            f"{result['k_by_argmax']}); {rule}"
+        )
     if nothing_new(result):
-        rule = (
-            f"the score's answer would be K = {result['k_by_score']}, but the unlabelled points lie as near the "
-            f"{known} known classes as the labelled ones do ({result['novelty']['beyond']:.0%} beyond the labelled "
-            f"points' {result['novelty']['quantile']:.0%} quantile, z = {result['novelty']['z']:.1f} < {Z_NEW:g}): "
-            "nothing new, K = the known classes"
+        novelty, answer = result["novelty"], result[f"k_by_{result['rule']}"]
+        said += (
+            f"; that would be K = {answer}, but the unlabelled points lie as near the {known} known classes as the "
+            f"labelled ones do ({novelty['beyond']:.0%} beyond the labelled points' {novelty['quantile']:.0%} "
+            f"quantile, z = {novelty['z']:.1f} < {Z_NEW:g}): nothing new, K = the known classes"
         )
-    elif result["k"] != third:
-        rule = (
-            f"the lower third, K = {third}, would leave no cluster for new categories, so the smallest "
-            f"plausible K above the {known} known classes is chosen"
-        )
-    return (
-        f"plausible K {low}-{high}, within {BAND:g} pooled standard errors of the best smoothed score (K = "
-        f"{result['k_by_argmax']}); {rule}"
-    )
+    return said
 
 
 def nothing_new(result: dict) -> bool:
@@ -243,22 +319,25 @@ def nothing_new(result: dict) -> bool:
 def k_warning(result: dict) -> str | None:
     """A warning when the answer cannot be taken as the number of categories, None otherwise:
     - it is the number of known classes, which leaves no cluster for new categories, because the unlabelled points
-      look like the known classes or because no larger K is plausible;
-    - it is above them and the novelty test finds something new, but no K scored better than the known classes
-      (the score as scored, before smoothing, which can lift an edge of the curve): clusters for the new categories
-      do not raise the known classes' accuracy, so the score cannot count them, and the answer (the smallest
-      plausible K that leaves them a cluster) is a lower bound."""
+      look like the known classes, or because the rule finds no larger K (the score: none plausible; the count:
+      fewer new images than half a known class);
+    - the score rule's answer is above them and the novelty test finds something new, but no K scored better than
+      the known classes (the score as scored, before smoothing, which can lift an edge of the curve): clusters for
+      the new categories do not raise the known classes' accuracy, so the score cannot count them, and the answer
+      (the smallest plausible K that leaves them a cluster) is a lower bound."""
     known, k = result["search"]["k_min"], result["k"]
     if k > known:
-        scores = result["criteria"]["labelled_accuracy"] if result.get("novelty") else {}
-        if nothing_new(result) or not scores or max(scores.values()) > scores[str(known)]:
+        if result["rule"] != "score" or not result.get("novelty") or nothing_new(result):
+            return None
+        scores = result["criteria"]["labelled_accuracy"]
+        if max(scores.values()) > scores[str(known)]:
             return None
         return (
             f"no K scores better than the {known} known classes, yet the unlabelled images hold something new "
             f"(novelty z = {result['novelty']['z']:.1f}): clusters for the new categories do not raise the known "
             f"classes' accuracy in these features, so the score cannot count them; K = {k} is a lower bound, not a "
-            "count: set kmeans.n_clusters to the number you expect, or estimate again on a trained run's features "
-            "(infosieve estimate-k --run)"
+            "count: set kmeans.n_clusters to the number you expect, or estimate again with the neighbours rule "
+            "(--rule neighbours) or on a trained run's features (infosieve estimate-k --run)"
         )
     if nothing_new(result):
         return (
@@ -266,15 +345,18 @@ def k_warning(result: dict) -> str | None:
             f"labelled ones do); if you expect new categories, set kmeans.n_clusters to the number you expect, above "
             f"{known}"
         )
+    reason = {
+        "score": "no larger K scores as well",
+        "neighbours": "fewer unlabelled images lack labelled neighbours than half a known class holds",
+    }[result["rule"]]
     return (
-        f"K = {known} is the number of known classes, so no cluster is left for new categories (no larger K scores "
-        f"as well): if the unlabelled images hold new categories, set kmeans.n_clusters to the number you expect, "
-        f"above {known}"
+        f"K = {known} is the number of known classes, so no cluster is left for new categories ({reason}): if the "
+        f"unlabelled images hold new categories, set kmeans.n_clusters to the number you expect, above {known}"
     )
 
 
-def checked_inputs(feats, targets, labelled, n_old: int, k_max: int | None, device) -> tuple:
-    """(features L2-normalised on `device`, targets, labelled mask, k_max) once the inputs agree with each other."""
+def checked_inputs(feats, targets, labelled, n_old: int, device) -> tuple:
+    """(features L2-normalised on `device`, targets, labelled mask) once the inputs agree with each other."""
     x = torch.as_tensor(np.asarray(feats), dtype=torch.float32, device=device)
     x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
     y = np.asarray(targets).astype(np.int64)
@@ -288,15 +370,20 @@ def checked_inputs(feats, targets, labelled, n_old: int, k_max: int | None, devi
             f"estimating K needs at least 2 known classes, got {n_old}: with one, K = 1 puts every labelled point in "
             "one cluster and always scores best; give K as a number instead"
         )
-    if k_max is None and len(x) // 2 <= n_old:
+    return x, y, lab
+
+
+def search_top(n: int, n_old: int, k_max: int | None) -> int:
+    """The score rule's largest K: `k_max`, or 4 x n_old and at most half the `n` points."""
+    if k_max is None and n // 2 <= n_old:
         raise ValueError(
-            f"{len(x)} points are too few to estimate K: the search goes up to half the points, {len(x) // 2}, which "
+            f"{n} points are too few to estimate K: the search goes up to half the points, {n // 2}, which "
             f"is not above the {n_old} known classes; add images, or give K as a number"
         )
-    k_max = min(4 * n_old, len(x) // 2) if k_max is None else k_max
+    k_max = min(4 * n_old, n // 2) if k_max is None else k_max
     if k_max <= n_old:
         raise ValueError(f"k_max={k_max} must exceed the {n_old} known classes: pass a larger --k-max")
-    return x, y, lab, k_max
+    return k_max
 
 
 def smoothed(scores: dict[int, float], width: float) -> dict[int, float]:

@@ -211,14 +211,17 @@ class Evaluator:
         return self.k.value
 
     def _estimate_k(self, fs: FeatureSet) -> int:
-        """`kmeans.n_clusters=auto`: GCD's estimate of K from `fs` (all ranks' shares), said on the terminal."""
+        """`kmeans.n_clusters=auto`: K estimated from `fs` (all ranks' shares) by `kmeans.k_rule`, said on the
+        terminal."""
         from .estimate_k import describe_choice, estimate_k, k_warning
         from .feature_view import describe_feature_view
 
         feats, targets, labelled = (dist.all_gather_cat(t)[0].cpu() for t in (fs.feats, fs.targets, fs.labelled))
         main = dist.is_main_process()
         say = (lambda line: print(f"kmeans.n_clusters=auto: {line}")) if main else None
-        found = estimate_k(feats.numpy(), targets.numpy(), labelled.numpy(), self.source.n_old, progress=say)
+        found = estimate_k(
+            feats.numpy(), targets.numpy(), labelled.numpy(), self.source.n_old, rule=self.kmeans.k_rule, progress=say
+        )
         if main:
             n = self.source.n_classes
             known = counted(n, "class") if n is not None else f"{counted(self.source.n_old, 'known class')} and a pool"

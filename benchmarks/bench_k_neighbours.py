@@ -1,0 +1,144 @@
+"""How close the neighbours count of the number of categories (`estimate-k --rule neighbours`,
+infosieve_fast/evaluation/neighbour_count.py) is to the true number, on sets of classes from features files, each
+whole and on resamples that each drop `--drop` of the images.
+
+`--sets`: each a comma list of class ranges LO-HI (renumbered from 0 in that order), or `all` (every class of the
+file), optionally with `:KNOWN`, the number of known classes (default: half, rounded down); half of the known
+classes' images are labelled with GCD's split, seed 0. On cub100's features ranges must avoid species 40-59, kept for
+final checks; `all` holds them: it measures, and nothing may be chosen on it. docs/kmeans.md has the commands.
+
+`--uneven LO-HI` labels each known class in its own share instead (a person's own folders, a loop's later round).
+
+Prints JSON: per variant (each of `--neighbours` with each of `--prior`: how many labelled images' worth of the
+share pooled over the known classes each class's own expected share of labelled neighbours is drawn towards),
+features file and set, the true K, the known classes, the count on each sample (the whole set, then the resamples)
+with its relative error, the largest error, the spread over the samples; and a summary per variant: the share of the
+answers within 10% of the true K, the mean and the largest error.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from benchmarks import smoke
+from benchmarks.bench_estimate_k import drop_resamples
+from benchmarks.bench_estimate_k_scales import add_sample_arguments, class_set, load_set
+from benchmarks.harness import Stopwatch
+from benchmarks.tools.provenance import emit_json
+from infosieve_fast.data.splits import gcd_split
+from infosieve_fast.evaluation.neighbour_count import NEIGHBOURS, PRIOR_IMAGES, count_by_neighbours
+
+
+def share_range(text: str) -> tuple[float, float]:
+    lo, _, hi = text.partition("-")
+    if not 0 < float(lo) <= float(hi) <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: LO-HI with 0 < LO <= HI <= 1, say 0.1-0.9")
+    return float(lo), float(hi)
+
+
+def parse_set(text: str) -> tuple[str, list[tuple[int, int]] | None, int | None]:
+    """`RANGES[:KNOWN]` -> (the text, the ranges or None for `all`, the known classes or None for half)."""
+    ranges, _, known = text.partition(":")
+    return text, class_set(ranges), int(known) if known else None
+
+
+def labelled_mask(y: np.ndarray, known: int, uneven: tuple[float, float] | None) -> np.ndarray:
+    """GCD's split (half of the known classes' images, seed 0), or with `uneven` (LO, HI) each known class labelled in
+    its own share, drawn uniformly from LO to HI (`RandomState(0)`), of its images (at least 2)."""
+    if uneven is None:
+        return np.asarray(gcd_split(y, list(range(known)), 0.5, 0)[0], bool)
+    rng = np.random.RandomState(0)
+    labelled = np.zeros(len(y), bool)
+    for c, share in enumerate(rng.uniform(*uneven, size=known)):
+        rows = np.flatnonzero(y == c)
+        labelled[rng.choice(rows, max(2, round(share * len(rows))), replace=False)] = True
+    return labelled
+
+
+def measure(variant: tuple[int, float], path: str, name: str, ranges, known: int | None, args) -> dict:
+    neighbours, prior = variant
+    feats, y = load_set(path, ranges)
+    true_k = len(np.unique(y))
+    known = true_k // 2 if known is None else known
+    labelled = labelled_mask(y, known, args.uneven)
+    rows = []
+    for sample, keep in drop_resamples(len(y), args.resamples, args.drop).items():
+        x = torch.as_tensor(feats[keep], dtype=torch.float32)
+        x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        found = count_by_neighbours(x, y[keep], labelled[keep], known, neighbours=neighbours, prior_images=prior)
+        rows.append({"sample": sample, **found, "relative_error": round(found["k"] / true_k - 1, 4)})
+    ks = [row["k"] for row in rows]
+    return {
+        "variant": variant_name(variant),
+        "features": path.rsplit("/", 1)[-1],
+        "classes": name,
+        "true_k": true_k,
+        "known": known,
+        "k": ks,
+        "largest_relative_error": max((row["relative_error"] for row in rows), key=abs),
+        "k_spread": max(ks) - min(ks),
+        "rows": rows,
+    }
+
+
+def variant_name(variant: tuple[int, float]) -> str:
+    return f"{variant[0]} neighbours, prior {variant[1]:g} images"
+
+
+def summary(results: list[dict]) -> dict:
+    """Per variant: the answers, the share within 10% of the true K, the mean and largest error."""
+    variants = dict.fromkeys(r["variant"] for r in results)
+    return {v: summary_of([r for r in results if r["variant"] == v]) for v in variants}
+
+
+def summary_of(results: list[dict]) -> dict:
+    errors = [row["relative_error"] for result in results for row in result["rows"]]
+    return {
+        "answers": len(errors),
+        "within_10_percent": round(float(np.mean([abs(e) <= 0.1 for e in errors])), 4),
+        "mean_absolute_error": round(float(np.mean(np.abs(errors))), 4),
+        "largest_relative_error": max(errors, key=abs),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sample_arguments(ap, "class sets: RANGES[:KNOWN], RANGES a comma list or all")
+    ap.add_argument(
+        "--neighbours", type=int, nargs="+", default=[NEIGHBOURS], help="neighbours per image, each counted"
+    )
+    ap.add_argument(
+        "--prior",
+        type=float,
+        nargs="+",
+        default=[PRIOR_IMAGES],
+        help="labelled images' worth of the pooled share each class's own is drawn towards (0: its own alone, inf: "
+        "the pooled share for all), each counted",
+    )
+    ap.add_argument(
+        "--uneven",
+        type=share_range,
+        metavar="LO-HI",
+        help="label each known class in its own share drawn from LO to HI (say 0.1-0.9) instead of GCD's half",
+    )
+    ap.add_argument("--json", help="also write the result here (after every set)")
+    args = smoke.shrink(ap.parse_args(argv), sets=["0-5"], resamples=1)
+    clock = Stopwatch()
+    results = []
+    variants = [(n, prior) for n in args.neighbours for prior in args.prior]
+    jobs = [(v, path, *parse_set(text)) for v in variants for path in args.features for text in args.sets]
+    for i, job in enumerate(jobs):
+        results.append(measure(*job, args))
+        last = i == len(jobs) - 1
+        emit_json(
+            {"summary": summary(results), "results": results, "seconds": round(clock.seconds(), 1)},
+            args.json,
+            echo=last,
+        )
+
+
+if __name__ == "__main__":
+    main()
