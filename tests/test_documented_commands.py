@@ -71,7 +71,7 @@ PLAN = [
     Entry(r"infosieve train --config configs/demo(-gcd|-simgcd|-selex)?\.yaml( --out \S+)?( --set \S+)*", "run"),
     Entry(r"infosieve train --resume \S+", "run"),
     Entry(
-        r"infosieve estimate-k --run \S+ --json benchmarks/results/\S+",
+        r"infosieve estimate-k --run \S+( --rule score)? --json benchmarks/results/\S+",
         "parse",
         "rewrites a committed result; the same search runs here on the demo's run (infosieve estimate-k --run RUN)",
     ),
@@ -93,7 +93,7 @@ PLAN = [
         "needs a run on your own images (tests/test_discovery_gallery.py names and exports one on real birds)",
     ),
     Entry(
-        r"infosieve estimate-k --features \S+ --known-classes \d+ --json \S+",
+        r"infosieve estimate-k --features \S+ --known-classes \d+ --rule score --json \S+",
         "parse",
         "over a minute on 2 cores; tests/test_estimate_k.py runs the same search on the same features",
     ),
