@@ -8,12 +8,14 @@ classes' images are labelled with GCD's split, seed 0. On cub100's features rang
 final checks; `all` holds them: it measures, and nothing may be chosen on it. docs/kmeans.md has the commands.
 
 `--uneven LO-HI` labels each known class in its own share instead (a person's own folders, a loop's later round).
+`--long-tail LO-HI` first keeps of each class only a share of its images, drawn log-uniformly from LO to HI, so that
+class sizes differ (new classes then are as large as the known ones only on average, as in a long-tailed set).
 
 Prints JSON: per variant (each of `--neighbours` with each of `--prior`: how many labelled images' worth of the
 share pooled over the known classes each class's own expected share of labelled neighbours is drawn towards),
 features file and set, the true K, the known classes, the count on each sample (the whole set, then the resamples)
 with its relative error, the largest error, the spread over the samples; and a summary per variant: the share of the
-answers within 10% of the true K, the mean and the largest error.
+answers within 10% of the true K, the mean and the largest error, and the share whose `k_range` holds the true K.
 """
 
 from __future__ import annotations
@@ -58,9 +60,20 @@ def labelled_mask(y: np.ndarray, known: int, uneven: tuple[float, float] | None)
     return labelled
 
 
+def long_tail_rows(y: np.ndarray, shares: tuple[float, float]) -> np.ndarray:
+    """The rows kept when each class keeps a share of its images (at least 4) drawn log-uniformly from `shares`
+    (`RandomState(1)`), the first of each class's images in the file's order."""
+    rng = np.random.RandomState(1)
+    share = np.exp(rng.uniform(*np.log(shares), size=y.max() + 1))
+    return np.concatenate([np.flatnonzero(y == c)[: max(4, round(share[c] * (y == c).sum()))] for c in np.unique(y)])
+
+
 def measure(variant: tuple[int, float], path: str, name: str, ranges, known: int | None, args) -> dict:
     neighbours, prior = variant
     feats, y = load_set(path, ranges)
+    if args.long_tail is not None:
+        kept = long_tail_rows(y, args.long_tail)
+        feats, y = feats[kept], y[kept]
     true_k = len(np.unique(y))
     known = true_k // 2 if known is None else known
     labelled = labelled_mask(y, known, args.uneven)
@@ -96,11 +109,13 @@ def summary(results: list[dict]) -> dict:
 
 def summary_of(results: list[dict]) -> dict:
     errors = [row["relative_error"] for result in results for row in result["rows"]]
+    held = [row["k_range"][0] <= result["true_k"] <= row["k_range"][1] for result in results for row in result["rows"]]
     return {
         "answers": len(errors),
         "within_10_percent": round(float(np.mean([abs(e) <= 0.1 for e in errors])), 4),
         "mean_absolute_error": round(float(np.mean(np.abs(errors))), 4),
         "largest_relative_error": max(errors, key=abs),
+        "range_holds_true_k": round(float(np.mean(held)), 4),
     }
 
 
@@ -117,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
         default=[PRIOR_IMAGES],
         help="labelled images' worth of the pooled share each class's own is drawn towards (0: its own alone, inf: "
         "the pooled share for all), each counted",
+    )
+    ap.add_argument(
+        "--long-tail",
+        type=share_range,
+        metavar="LO-HI",
+        help="keep of each class a share of its images drawn log-uniformly from LO to HI (say 0.1-1)",
     )
     ap.add_argument(
         "--uneven",
