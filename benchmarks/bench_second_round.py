@@ -30,7 +30,7 @@ from benchmarks.bench_estimate_k import class_range, load_classes, refuse_reserv
 from benchmarks.harness import Stopwatch
 from benchmarks.tools.provenance import emit_json
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.evaluation.estimate_k import estimate_k
+from infosieve_fast.evaluation.estimate_k import RULES, estimate_k
 from infosieve_fast.kmeans import semi_supervised_kmeans
 
 UNLABELLED = -1  # the target of a pool image: estimate-k reads the labelled images' targets only
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--known", type=int, default=5, help="known species a draw (5, as in the issue)")
     ap.add_argument("--novel", type=int, default=5, help="novel species a draw (5)")
     ap.add_argument("--draws", type=int, default=10)
-    ap.add_argument("--rule", choices=("neighbours", "score"), default="neighbours", help="estimate-k's --rule")
+    ap.add_argument("--rule", choices=RULES, default=RULES[0], help="estimate-k's --rule")
     ap.add_argument("--json", help="also write the result here (after every features file)")
     args = smoke.shrink(ap.parse_args(argv), classes=(0, 5), known=2, novel=2, draws=1)
     lo, hi = args.classes

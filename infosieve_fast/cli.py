@@ -245,8 +245,8 @@ def _estimate_k(args: argparse.Namespace) -> int:
         n_old,
         rule=args.rule,
         k_max=args.k_max,
-        n_seeds=4 if args.seeds is None else args.seeds,
         progress=lambda msg: print(msg, file=sys.stderr),
+        **({} if args.seeds is None else {"n_seeds": args.seeds}),
     )
     print(f"K = {result['k']}: {describe_choice(result)}", file=sys.stderr)
     if args.run:

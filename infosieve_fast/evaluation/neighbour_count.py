@@ -86,9 +86,10 @@ def count_by_neighbours(
     rows = np.arange(len(x))
     if len(x) > MAX_POINTS:
         rows = np.sort(np.random.RandomState(seed).choice(len(x), MAX_POINTS, replace=False))
+        x = x[torch.from_numpy(rows).to(x.device)]
     lab = lab[rows]
     classes = np.where(lab, np.asarray(targets)[rows], UNLABELLED)
-    nearest = nearest_neighbours(x[torch.from_numpy(rows).to(x.device)], neighbours)
+    nearest = nearest_neighbours(x, neighbours)
     neighbour_class = classes[nearest]  # [points, neighbours]: a labelled neighbour's class, else UNLABELLED
     share = expected_labelled_share(neighbour_class[lab], classes[lab], n_old, prior_images)
     seen = neighbour_class[~lab]
