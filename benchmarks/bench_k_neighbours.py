@@ -10,6 +10,9 @@ final checks; `all` holds them: it measures, and nothing may be chosen on it. do
 `--uneven LO-HI` labels each known class in its own share instead (a person's own folders, a loop's later round).
 `--long-tail LO-HI` first keeps of each class only a share of its images, drawn log-uniformly from LO to HI, so that
 class sizes differ (new classes then are as large as the known ones only on average, as in a long-tailed set).
+`--points-per-class P` counts uniform subsamples of P images per class of the set (`--subsamples` of them, their
+counts averaged), as the count's own subsamples of 20,000 points leave of a set of many classes (20 per class of
+ImageNet-1k's 1,000).
 
 Prints JSON: per variant (each of `--neighbours` with each of `--prior`: how many labelled images' worth of the
 share pooled over the known classes each class's own expected share of labelled neighbours is drawn towards),
@@ -31,7 +34,13 @@ from benchmarks.bench_estimate_k_scales import add_sample_arguments, class_set, 
 from benchmarks.harness import Stopwatch
 from benchmarks.tools.provenance import emit_json
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.evaluation.neighbour_count import NEIGHBOURS, PRIOR_IMAGES, count_by_neighbours
+from infosieve_fast.evaluation.neighbour_count import (
+    MAX_POINTS,
+    NEIGHBOURS,
+    PRIOR_IMAGES,
+    SUBSAMPLES,
+    count_by_neighbours,
+)
 
 
 def share_range(text: str) -> tuple[float, float]:
@@ -77,11 +86,21 @@ def measure(variant: tuple[int, float], path: str, name: str, ranges, known: int
     true_k = len(np.unique(y))
     known = true_k // 2 if known is None else known
     labelled = labelled_mask(y, known, args.uneven)
+    max_points = MAX_POINTS if args.points_per_class is None else args.points_per_class * true_k
     rows = []
     for sample, keep in drop_resamples(len(y), args.resamples, args.drop).items():
         x = torch.as_tensor(feats[keep], dtype=torch.float32)
         x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
-        found = count_by_neighbours(x, y[keep], labelled[keep], known, neighbours=neighbours, prior_images=prior)
+        found = count_by_neighbours(
+            x,
+            y[keep],
+            labelled[keep],
+            known,
+            neighbours=neighbours,
+            prior_images=prior,
+            max_points=max_points,
+            subsamples=args.subsamples,
+        )
         rows.append({"sample": sample, **found, "relative_error": round(found["k"] / true_k - 1, 4)})
     ks = [row["k"] for row in rows]
     return {
@@ -144,6 +163,15 @@ def main(argv: list[str] | None = None) -> None:
         type=share_range,
         metavar="LO-HI",
         help="label each known class in its own share drawn from LO to HI (say 0.1-0.9) instead of GCD's half",
+    )
+    ap.add_argument(
+        "--points-per-class",
+        type=int,
+        metavar="P",
+        help="count uniform subsamples of P images per class of the set, as the count's own of a set of many classes",
+    )
+    ap.add_argument(
+        "--subsamples", type=int, default=SUBSAMPLES, help="subsamples counted and averaged where a set is subsampled"
     )
     ap.add_argument("--json", help="also write the result here (after every set)")
     args = smoke.shrink(ap.parse_args(argv), sets=["0-5"], resamples=1)

@@ -10,9 +10,13 @@ import torch
 
 from infosieve_fast import cli
 from infosieve_fast.data.splits import gcd_split
-from infosieve_fast.evaluation import neighbour_count
 from infosieve_fast.evaluation.estimate_k import describe_choice, estimate_k, k_warning
-from infosieve_fast.evaluation.neighbour_count import count_by_neighbours, expected_labelled_share, size_spread_range
+from infosieve_fast.evaluation.neighbour_count import (
+    SUBSAMPLES,
+    count_by_neighbours,
+    expected_labelled_share,
+    size_spread_range,
+)
 from tests.test_estimate_k import _blobs
 
 
@@ -105,15 +109,20 @@ def test_the_range_by_hand():
     assert size_spread_range(4.0, np.array([20.0, 20.0, 20.0])) == [7, 7]  # equal sizes: no spread
 
 
-def test_a_large_set_is_counted_on_a_subsample(monkeypatch):
-    """Above MAX_POINTS points a seeded uniform subsample is counted: the shares hold in expectation, so the blobs'
-    count is unchanged, and the same seed draws the same subsample."""
+def test_a_large_set_is_counted_on_subsamples():
+    """Above max_points points, SUBSAMPLES seeded uniform subsamples are counted and averaged: the shares hold in
+    expectation, so the blobs' count is unchanged, and the images are told in the whole set's numbers (12 blobs of
+    100, 6 known and half of their images labelled: 600 of the 900 unlabelled images new, classes of 100), not in a
+    subsample's (450 and 75). The same seed draws the same subsamples."""
     x, y = _blobs(12, 100)
     labelled = np.asarray(gcd_split(y, list(range(6)), 0.5, 0)[0], bool)
-    monkeypatch.setattr(neighbour_count, "MAX_POINTS", 900)
-    found = count_by_neighbours(_unit(x), y, labelled, 6, seed=3)
-    assert found["points"] == 900 and found["k"] == 12
-    assert count_by_neighbours(_unit(x), y, labelled, 6, seed=3) == found
+    found = count_by_neighbours(_unit(x), y, labelled, 6, seed=3, max_points=900)
+    assert (found["points"], found["subsamples"], found["k"]) == (900, SUBSAMPLES, 12)
+    assert found["novel_images"] == pytest.approx(600, rel=0.03)
+    assert found["class_size"] == pytest.approx(100, rel=0.03)
+    assert count_by_neighbours(_unit(x), y, labelled, 6, seed=3, max_points=900) == found
+    whole = count_by_neighbours(_unit(x), y, labelled, 6)
+    assert (whole["points"], whole["subsamples"]) == (1200, 1)
 
 
 def test_bad_inputs_are_named():

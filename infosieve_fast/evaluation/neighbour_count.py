@@ -36,11 +36,15 @@ neighbours and 0, 3, 10, 30 or all images' worth of the pool, only 3 and 5 neigh
 of the true K on every answer of both labellings, and 5 has the smaller mean error. A class with one labelled image
 is read by the pool alone.
 
-Costs one [rows, points] similarity block at a time; above `MAX_POINTS` points a uniform random subsample (seeded) is
-counted, which keeps every share in expectation.
+Costs one [rows, points] similarity block at a time. Above `MAX_POINTS` points, `SUBSAMPLES` uniform random
+subsamples (seeded) are counted, which keeps every share in expectation, and their counts averaged: a set of many
+classes leaves few images of each in a subsample, and one subsample's count of cub100 at 20 images per class moved by
+up to 5 from the count on all the images, four averaged by up to 2 (docs/kmeans.md, "Subsamples of a large set").
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +52,7 @@ import torch
 NEIGHBOURS = 5
 PRIOR_IMAGES = 10.0
 MAX_POINTS = 20000
+SUBSAMPLES = 4
 CHUNK_ROWS = 2048
 UNLABELLED = -1
 
@@ -73,43 +78,70 @@ def count_by_neighbours(
     neighbours: int = NEIGHBOURS,
     seed: int = 0,
     prior_images: float = PRIOR_IMAGES,
+    max_points: int = MAX_POINTS,
+    subsamples: int = SUBSAMPLES,
 ) -> dict:
     """The count for L2-normalised features `x` [N, D], `targets` [N] (read on the labelled points only; classes
     0..n_old-1) and the labelled mask (module docstring): `k` (n_old plus the rounded count of new classes),
     `k_unrounded`, `k_range` (`size_spread_range`), `novel_share` and `novel_images` of the unlabelled images,
     `class_size` (the known classes' mean), `same_class_share` (the labelled images' share of labelled neighbours of
-    their own class, pooled), the `points` counted and the `neighbours`. `prior_images`: `expected_labelled_share`'s
-    (another than `PRIOR_IMAGES` only to compare, benchmarks/bench_k_neighbours.py)."""
+    their own class, pooled), the `points` counted in each of the `subsamples` and the `neighbours`. Above
+    `max_points` points, `subsamples` uniform subsamples drawn with `seed` are counted and their counts averaged, in
+    the whole set's images. `prior_images`: `expected_labelled_share`'s (others than `PRIOR_IMAGES`, `MAX_POINTS` and
+    `SUBSAMPLES` only to compare, benchmarks/bench_k_neighbours.py)."""
     lab = np.asarray(labelled, bool)
     if len(x) - 1 < neighbours:
         raise ValueError(f"{len(x)} points are too few for {neighbours} neighbours each: add images, or give K")
-    rows = np.arange(len(x))
-    if len(x) > MAX_POINTS:
-        rows = np.sort(np.random.RandomState(seed).choice(len(x), MAX_POINTS, replace=False))
-        x = x[torch.from_numpy(rows).to(x.device)]
-    lab = lab[rows]
-    classes = np.where(lab, np.asarray(targets)[rows], UNLABELLED)
-    nearest = nearest_neighbours(x, neighbours)
-    neighbour_class = classes[nearest]  # [points, neighbours]: a labelled neighbour's class, else UNLABELLED
-    share = expected_labelled_share(neighbour_class[lab], classes[lab], n_old, prior_images)
-    seen = neighbour_class[~lab]
-    seen_by_class = np.bincount(seen[seen != UNLABELLED], minlength=n_old) / neighbours
-    unlabelled_known = seen_by_class / share
-    n_unlab = int((~lab).sum())
-    novel = float(np.clip(n_unlab - unlabelled_known.sum(), 0, None))
-    sizes = np.bincount(classes[lab], minlength=n_old) + unlabelled_known
+    classes = np.where(lab, np.asarray(targets), UNLABELLED)
+    if len(x) <= max_points:
+        samples = [np.arange(len(x))]
+    else:
+        draw = np.random.RandomState(seed)
+        samples = [np.sort(draw.choice(len(x), max_points, replace=False)) for _ in range(subsamples)]
+    counts = [
+        count_points(x[torch.from_numpy(rows).to(x.device)], classes[rows], n_old, neighbours, prior_images)
+        for rows in samples
+    ]
+    to_whole_set = len(x) / len(samples[0])
+    novel = to_whole_set * float(np.mean([count.novel_images for count in counts]))
+    sizes = to_whole_set * np.mean([count.class_sizes for count in counts], axis=0)
     new_classes = novel / sizes.mean()
     return {
         "k": n_old + int(round(new_classes)),
         "k_unrounded": round(n_old + new_classes, 4),
         "k_range": size_spread_range(new_classes, sizes),
-        "novel_share": round(novel / n_unlab, 6),
+        "novel_share": round(novel / int((~lab).sum()), 6),
         "novel_images": round(novel, 2),
         "class_size": round(float(sizes.mean()), 4),
-        "same_class_share": round(float((neighbour_class[lab] == classes[lab][:, None]).mean()), 6),
-        "points": len(rows),
+        "same_class_share": round(float(np.mean([count.same_class_share for count in counts])), 6),
+        "points": len(samples[0]),
+        "subsamples": len(samples),
         "neighbours": neighbours,
     }
+
+
+class PointsCount(NamedTuple):
+    """One set of points' count: its unlabelled images without a known class, each known class's images [n_old],
+    and the labelled images' share of labelled neighbours of their own class."""
+
+    novel_images: float
+    class_sizes: np.ndarray
+    same_class_share: float
+
+
+def count_points(x: torch.Tensor, classes: np.ndarray, n_old: int, neighbours: int, prior_images: float) -> PointsCount:
+    """The count on the points `x` [P, D] whose `classes` [P] are the labelled points' classes, else UNLABELLED."""
+    lab = classes != UNLABELLED
+    neighbour_class = classes[nearest_neighbours(x, neighbours)]  # [P, neighbours]
+    share = expected_labelled_share(neighbour_class[lab], classes[lab], n_old, prior_images)
+    seen = neighbour_class[~lab]
+    seen_by_class = np.bincount(seen[seen != UNLABELLED], minlength=n_old) / neighbours
+    unlabelled_known = seen_by_class / share
+    return PointsCount(
+        novel_images=float(np.clip((~lab).sum() - unlabelled_known.sum(), 0, None)),
+        class_sizes=np.bincount(classes[lab], minlength=n_old) + unlabelled_known,
+        same_class_share=float((neighbour_class[lab] == classes[lab][:, None]).mean()),
+    )
 
 
 def expected_labelled_share(
