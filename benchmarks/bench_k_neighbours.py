@@ -18,7 +18,9 @@ Prints JSON: per variant (each of `--neighbours` with each of `--prior`: how man
 share pooled over the known classes each class's own expected share of labelled neighbours is drawn towards),
 features file and set, the true K, the known classes, the count on each sample (the whole set, then the resamples)
 with its relative error, the largest error, the spread over the samples; and a summary per variant: the share of the
-answers within 10% of the true K, the mean and the largest error, and the share whose `k_range` holds the true K.
+answers within 10% of the true K, the mean and the largest error, the share whose `k_range` holds the true K and the
+range's mean width (a share of the true K), and how `k_if_mixed` (the range's upper end where the classes mix) would
+do as the answer.
 """
 
 from __future__ import annotations
@@ -121,21 +123,31 @@ def variant_name(variant: tuple[int, float]) -> str:
 
 
 def summary(results: list[dict]) -> dict:
-    """Per variant: the answers, the share within 10% of the true K, the mean and largest error."""
+    """Per variant: `summary_of` its results."""
     variants = dict.fromkeys(r["variant"] for r in results)
     return {v: summary_of([r for r in results if r["variant"] == v]) for v in variants}
 
 
 def summary_of(results: list[dict]) -> dict:
-    errors = [row["relative_error"] for result in results for row in result["rows"]]
-    held = [row["k_range"][0] <= result["true_k"] <= row["k_range"][1] for result in results for row in result["rows"]]
+    answers = [(row, result["true_k"]) for result in results for row in result["rows"]]
+    errors = [row["relative_error"] for row, _ in answers]
+    if_mixed = [row["k_if_mixed"] / true_k - 1 for row, true_k in answers]
     return {
         "answers": len(errors),
-        "within_10_percent": round(float(np.mean([abs(e) <= 0.1 for e in errors])), 4),
+        "within_10_percent": share_within_10_percent(errors),
         "mean_absolute_error": round(float(np.mean(np.abs(errors))), 4),
         "largest_relative_error": max(errors, key=abs),
-        "range_holds_true_k": round(float(np.mean(held)), 4),
+        "range_holds_true_k": round(
+            float(np.mean([row["k_range"][0] <= k <= row["k_range"][1] for row, k in answers])), 4
+        ),
+        "range_width": round(float(np.mean([(row["k_range"][1] - row["k_range"][0]) / k for row, k in answers])), 4),
+        "k_if_mixed_within_10_percent": share_within_10_percent(if_mixed),
+        "k_if_mixed_mean_relative_error": round(float(np.mean(if_mixed)), 4),
     }
+
+
+def share_within_10_percent(errors: list[float]) -> float:
+    return round(float(np.mean([abs(e) <= 0.1 for e in errors])), 4)
 
 
 def main(argv: list[str] | None = None) -> None:

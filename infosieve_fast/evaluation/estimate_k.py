@@ -275,6 +275,19 @@ def criteria_curves(scores: dict, errors: dict, smoothed: dict, silhouettes: dic
     }
 
 
+def range_reason(count: dict, low: int, high: int) -> str:
+    """Why the neighbours count's range is `low`-`high`: the sizes' spread, and where it sets the upper end, the
+    mixing allowance (neighbour_count.mixing_upper)."""
+    sizes = "if the new classes' sizes vary as the known ones' do"
+    if count["k_if_mixed"] < high or count["mixing"] == 0:
+        return f"K {low}-{high} {sizes}"
+    return (
+        f"K {low}-{high}: down to {low} {sizes}, up to {high} if new images pass for known ones as often as the known "
+        f"classes' images pass for each other ({1 - count['labelled_purity']:.0%} of their labelled neighbours are "
+        "of another class)"
+    )
+
+
 def describe_choice(result: dict) -> str:
     """The answer's line for the terminal: how the rule reached its K, and the range."""
     known = result["search"]["k_min"]
@@ -285,8 +298,7 @@ def describe_choice(result: dict) -> str:
             f"{count['novel_share']:.0%} of the unlabelled images (about {count['novel_images']:.0f}) lack the "
             f"labelled neighbours ({count['neighbours']} nearest) that the known classes' images have; at the known "
             f"classes' mean size, {count['class_size']:.0f} images, that is {count['k_unrounded'] - known:.1f} new "
-            f"classes: K = {result['k_by_neighbours']} (K {low}-{high} if the new classes' sizes vary as the known "
-            "ones' do)"
+            f"classes: K = {result['k_by_neighbours']} ({range_reason(count, low, high)})"
         )
     else:
         low, high = result["k_range"]
