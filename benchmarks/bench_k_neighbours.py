@@ -10,6 +10,9 @@ final checks; `all` holds them: it measures, and nothing may be chosen on it. do
 `--uneven LO-HI` labels each known class in its own share instead (a person's own folders, a loop's later round).
 `--long-tail LO-HI` first keeps of each class only a share of its images, drawn log-uniformly from LO to HI, so that
 class sizes differ (new classes then are as large as the known ones only on average, as in a long-tailed set).
+`--shuffle-classes N` renumbers each set's classes by N random orders (seeds 0..N-1) before the first KNOWN are taken
+as known, so that the known classes are drawn at random from the set rather than as its first block (cub100's species
+are in CUB's order, related ones side by side: three buntings, five sparrows).
 `--points-per-class P` counts uniform subsamples of P images per class of the set (`--subsamples` of them, their
 counts averaged), as the count's own subsamples of 20,000 points leave of a set of many classes (20 per class of
 ImageNet-1k's 1,000).
@@ -19,8 +22,8 @@ share pooled over the known classes each class's own expected share of labelled 
 features file and set, the true K, the known classes, the count on each sample (the whole set, then the resamples)
 with its relative error, the largest error, the spread over the samples; and a summary per variant: the share of the
 answers within 10% of the true K, the mean and the largest error, the share whose `k_range` holds the true K and the
-range's mean width (a share of the true K), and how `k_if_mixed` (the range's upper end where the classes mix) would
-do as the answer.
+range's mean width (a share of the true K), and how `k_if_mixed` (the count that allows for the classes' mixing),
+rounded, would do as the answer.
 """
 
 from __future__ import annotations
@@ -79,13 +82,17 @@ def long_tail_rows(y: np.ndarray, shares: tuple[float, float]) -> np.ndarray:
     return np.concatenate([np.flatnonzero(y == c)[: max(4, round(share[c] * (y == c).sum()))] for c in np.unique(y)])
 
 
-def measure(variant: tuple[int, float], path: str, name: str, ranges, known: int | None, args) -> dict:
+def measure(
+    variant: tuple[int, float], order: int | None, path: str, name: str, ranges, known: int | None, args
+) -> dict:
     neighbours, prior = variant
     feats, y = load_set(path, ranges)
     if args.long_tail is not None:
         kept = long_tail_rows(y, args.long_tail)
         feats, y = feats[kept], y[kept]
     true_k = len(np.unique(y))
+    if order is not None:  # the known classes drawn at random from the set, not its first ones
+        y = np.random.RandomState(order).permutation(true_k)[y]
     known = true_k // 2 if known is None else known
     labelled = labelled_mask(y, known, args.uneven)
     max_points = MAX_POINTS if args.points_per_class is None else args.points_per_class * true_k
@@ -106,7 +113,8 @@ def measure(variant: tuple[int, float], path: str, name: str, ranges, known: int
         rows.append({"sample": sample, **found, "relative_error": round(found["k"] / true_k - 1, 4)})
     ks = [row["k"] for row in rows]
     return {
-        "variant": variant_name(variant),
+        "variant": variant_name(variant) + ("" if order is None else ", classes shuffled"),
+        "class_order_seed": order,
         "features": path.rsplit("/", 1)[-1],
         "classes": name,
         "true_k": true_k,
@@ -131,7 +139,7 @@ def summary(results: list[dict]) -> dict:
 def summary_of(results: list[dict]) -> dict:
     answers = [(row, result["true_k"]) for result in results for row in result["rows"]]
     errors = [row["relative_error"] for row, _ in answers]
-    if_mixed = [row["k_if_mixed"] / true_k - 1 for row, true_k in answers]
+    if_mixed = [round(row["k_if_mixed"]) / true_k - 1 for row, true_k in answers]
     return {
         "answers": len(errors),
         "within_10_percent": share_within_10_percent(errors),
@@ -185,12 +193,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--subsamples", type=int, default=SUBSAMPLES, help="subsamples counted and averaged where a set is subsampled"
     )
+    ap.add_argument(
+        "--shuffle-classes",
+        type=int,
+        metavar="N",
+        help="instead of the set's first classes, take the known ones at random: N random class orders (seeds 0..N-1)",
+    )
     ap.add_argument("--json", help="also write the result here (after every set)")
     args = smoke.shrink(ap.parse_args(argv), sets=["0-5"], resamples=1)
     clock = Stopwatch()
     results = []
     variants = [(n, prior) for n in args.neighbours for prior in args.prior]
-    jobs = [(v, path, *parse_set(text)) for v in variants for path in args.features for text in args.sets]
+    orders = [None] if args.shuffle_classes is None else list(range(args.shuffle_classes))
+    jobs = [
+        (v, order, path, *parse_set(text))
+        for v in variants
+        for order in orders
+        for path in args.features
+        for text in args.sets
+    ]
     for i, job in enumerate(jobs):
         results.append(measure(*job, args))
         last = i == len(jobs) - 1

@@ -276,15 +276,15 @@ def criteria_curves(scores: dict, errors: dict, smoothed: dict, silhouettes: dic
 
 
 def range_reason(count: dict, low: int, high: int) -> str:
-    """Why the neighbours count's range is `low`-`high`: the sizes' spread, and where it sets the upper end, the
-    mixing allowance (neighbour_count.mixing_upper)."""
+    """Why the neighbours count's range is `low`-`high`: the sizes' spread about the count, and where the classes mix,
+    about the count that allows for it (neighbour_count.new_classes_if_mixed)."""
     sizes = "if the new classes' sizes vary as the known ones' do"
-    if count["k_if_mixed"] < high or count["mixing"] == 0:
+    if round(count["k_if_mixed"]) <= count["k"]:
         return f"K {low}-{high} {sizes}"
     return (
-        f"K {low}-{high}: down to {low} {sizes}, up to {high} if new images pass for known ones as often as the known "
-        f"classes' images pass for each other ({1 - count['labelled_purity']:.0%} of their labelled neighbours are "
-        "of another class)"
+        f"K {low}-{high} {sizes}, and new images may pass for known ones as often as the known classes' images pass "
+        f"for each other ({1 - count['labelled_purity']:.0%} of their labelled neighbours are of another class): K "
+        f"{round(count['k_if_mixed'])} then"
     )
 
 

@@ -27,8 +27,8 @@ Assumptions, each a way to fail:
   few, a few large ones too many;
 - a class's labelled images are drawn at random from it (not, say, its clearest images);
 - a new class's images have each other as nearest neighbours: where the features mix a new class into a known one,
-  its images pass for that class's unlabelled images, so the count is low (`mixing_upper` gives the range's upper end
-  for it).
+  its images pass for that class's unlabelled images, so the count is low (the range's upper end allows for it,
+  `new_classes_if_mixed`).
 
 Chosen on cub100 species 0-39 only (sets of 10 to 40 species, a third to three quarters known, 224 and 112 px
 EfficientNet-Lite0 features, each labelled by GCD's split and with each class in its own share; docs/kmeans.md has
@@ -84,14 +84,14 @@ def count_by_neighbours(
 ) -> dict:
     """The count for L2-normalised features `x` [N, D], `targets` [N] (read on the labelled points only; classes
     0..n_old-1) and the labelled mask (module docstring): `k` (n_old plus the rounded count of new classes),
-    `k_unrounded`, `k_range` (from `size_spread_range`, its upper end raised to `k_if_mixed` where that is higher),
+    `k_unrounded`, `k_range` (`size_spread_range`'s, its upper end raised to that about `k_if_mixed` where higher),
     `novel_share` and `novel_images` of the unlabelled images, `class_size` (the known classes' mean),
     `same_class_share` (the share of the labelled images' neighbours that are labelled images of their own class,
-    pooled), `labelled_purity` (`labelled_purity`), `mixing` and `k_if_mixed` (`mixing_upper`), the `points` counted
-    in each of the `subsamples` and the `neighbours`. Above `max_points` points, `subsamples` uniform subsamples drawn
-    with `seed` are counted and their counts averaged, in the whole set's images. `prior_images`:
-    `expected_labelled_share`'s (others than `PRIOR_IMAGES`, `MAX_POINTS` and `SUBSAMPLES` only to compare,
-    benchmarks/bench_k_neighbours.py)."""
+    pooled), `labelled_purity` (`labelled_purity`), `mixing` and `k_if_mixed` (`new_classes_if_mixed`, unrounded),
+    the `points` counted in each of the `subsamples` and the `neighbours`. Above `max_points` points, `subsamples`
+    uniform subsamples drawn with `seed` are counted and their counts averaged, in the whole set's images.
+    `prior_images`: `expected_labelled_share`'s (others than `PRIOR_IMAGES`, `MAX_POINTS` and `SUBSAMPLES` only to
+    compare, benchmarks/bench_k_neighbours.py)."""
     lab = np.asarray(labelled, bool)
     if len(x) - 1 < neighbours:
         raise ValueError(f"{len(x)} points are too few for {neighbours} neighbours each: add images, or give K")
@@ -112,19 +112,19 @@ def count_by_neighbours(
     n_unlab = int((~lab).sum())
     purity = float(np.mean([count.labelled_purity for count in counts]))
     mixing = (1 - purity) * n_old / (n_old - 1) if n_old > 1 else 0.0
-    k_if_mixed = n_old + mixing_upper(new_classes, mixing, n_unlab / sizes.mean())
+    new_if_mixed = new_classes_if_mixed(new_classes, mixing, n_unlab / sizes.mean())
     low, high = size_spread_range(new_classes, sizes)
     return {
         "k": n_old + int(round(new_classes)),
         "k_unrounded": round(n_old + new_classes, 4),
-        "k_range": [low, max(high, k_if_mixed)],
+        "k_range": [low, max(high, size_spread_range(new_if_mixed, sizes)[1])],
         "novel_share": round(novel / n_unlab, 6),
         "novel_images": round(novel, 2),
         "class_size": round(float(sizes.mean()), 4),
         "same_class_share": round(float(np.mean([count.same_class_share for count in counts])), 6),
         "labelled_purity": round(purity, 6),
         "mixing": round(mixing, 6),
-        "k_if_mixed": k_if_mixed,
+        "k_if_mixed": round(n_old + new_if_mixed, 4),
         "points": len(samples[0]),
         "subsamples": len(samples),
         "neighbours": neighbours,
@@ -164,19 +164,19 @@ def labelled_purity(neighbour_class: np.ndarray, classes: np.ndarray) -> float:
     return float((neighbour_class == classes[:, None]).sum() / max(labelled.sum(), 1))
 
 
-def mixing_upper(new_classes: float, mixing: float, most_new: float) -> int:
-    """The new classes, rounded up, if every new image was counted as known by the share `mixing` of its weight.
+def new_classes_if_mixed(new_classes: float, mixing: float, most_new: float) -> float:
+    """The new classes if every new image was counted as known by the share `mixing` of its weight.
 
     A labelled image's labelled neighbours are of another known class with the share 1 - `labelled_purity`, spread
     over the n_old - 1 other known classes. A new image that mixes as much, over all n_old known classes, has a
     (1 - purity) x n_old / (n_old - 1) share of a known image's labelled neighbours (`mixing`), and the count takes
     that share of it for a known class's: the `new_classes` counted are then (1 - mixing) of the true ones. Where
-    the known classes were drawn as a block (cub100's first species, one family beside another) they mix more with
-    each other than with the new ones, so this is an upper end, not the answer (chosen on species 0-39 as the
-    answer, it overshot; docs/kmeans.md). Never above `most_new`, the new classes if every unlabelled image were new."""
+    the known classes were drawn as a block (cub100's first species, related ones side by side) they mix more with
+    each other than with the new ones, and this overshoots; where they were drawn at random it is near the truth and
+    the count low (docs/kmeans.md). Never above `most_new`, the new classes if every unlabelled image were new."""
     if mixing >= 1:
-        return int(np.ceil(most_new))
-    return int(np.ceil(min(new_classes / (1 - mixing), most_new)))
+        return most_new
+    return min(new_classes / (1 - mixing), most_new)
 
 
 def expected_labelled_share(
