@@ -112,7 +112,7 @@ def count_by_neighbours(
     n_unlab = int((~lab).sum())
     purity = float(np.mean([count.labelled_purity for count in counts]))
     mixing = (1 - purity) * n_old / (n_old - 1) if n_old > 1 else 0.0
-    new_if_mixed = new_classes_if_mixed(new_classes, mixing, n_unlab / sizes.mean())
+    new_if_mixed = new_classes_if_mixed(novel, n_unlab, float(sizes.mean()), n_old, mixing)
     low, high = size_spread_range(new_classes, sizes)
     return {
         "k": n_old + int(round(new_classes)),
@@ -164,19 +164,19 @@ def labelled_purity(neighbour_class: np.ndarray, classes: np.ndarray) -> float:
     return float((neighbour_class == classes[:, None]).sum() / max(labelled.sum(), 1))
 
 
-def new_classes_if_mixed(new_classes: float, mixing: float, most_new: float) -> float:
+def new_classes_if_mixed(novel_images: float, unlabelled: int, class_size: float, n_old: int, mixing: float) -> float:
     """The new classes if every new image was counted as known by the share `mixing` of its weight.
 
     A labelled image's labelled neighbours are of another known class with the share 1 - `labelled_purity`, spread
     over the n_old - 1 other known classes. A new image that mixes as much, over all n_old known classes, has a
     (1 - purity) x n_old / (n_old - 1) share of a known image's labelled neighbours (`mixing`), and the count takes
-    that share of it for a known class's: the `new_classes` counted are then (1 - mixing) of the true ones. Where
-    the known classes were drawn as a block (cub100's first species, related ones side by side) they mix more with
-    each other than with the new ones, and this overshoots; where they were drawn at random it is near the truth and
-    the count low (docs/kmeans.md). Never above `most_new`, the new classes if every unlabelled image were new."""
-    if mixing >= 1:
-        return most_new
-    return min(new_classes / (1 - mixing), most_new)
+    that share of it for a known class's. So the `novel_images` counted are (1 - mixing) of the true new images
+    (never more than every `unlabelled` image), and the known classes' mean size `class_size` holds the rest, which
+    this takes out of it. Where the known classes were drawn as a block (cub100's first species, related ones side by
+    side) they mix more with each other than with the new ones, and this overshoots; where they were drawn at random
+    the count is low and this nearer the truth (docs/kmeans.md)."""
+    new_images = unlabelled if mixing >= 1 else min(novel_images / (1 - mixing), unlabelled)
+    return new_images / (class_size - (new_images - novel_images) / n_old)
 
 
 def expected_labelled_share(
