@@ -115,11 +115,11 @@ def test_the_range_by_hand():
 
 def test_the_mixing_allowance_by_hand():
     """Labelled images of classes 0, 0, 1 with labelled neighbours [0, 1], [0, 0] and [1, 1, 0]: 5 of their 7
-    labelled neighbours are of their own class. With purity 0.75 and 5 known classes a new image is taken for known
-    by (1 - 0.75) x 5 / 4 = 0.3125 of its weight. So 220 new images counted of 400 unlabelled are 220 / 0.6875 = 320
-    true ones, and the 100 taken for known come out of the known classes' mean size of 60 (20 each): 320 / 40 = 8
-    new classes, where the count said 220 / 60 = 3.67. Never more new images than unlabelled ones: with whole
-    mixing all 400 are new, in classes of 60 - 180 / 5 = 24 images."""
+    labelled neighbours are of their own class. Apart from that, with a purity of 0.75 and 5 known classes a new
+    image is taken for known by (1 - 0.75) x 5 / 4 = 0.3125 of its weight. So 220 new images counted of 400
+    unlabelled are 220 / 0.6875 = 320 true ones, and the 100 taken for known come out of the known classes' mean
+    size of 60 (20 each): 320 / 40 = 8 new classes, where the count said 220 / 60 = 3.67. Never more new images than
+    unlabelled ones: with whole mixing all 400 are new, in classes of 60 - 180 / 5 = 24 images."""
     neighbour_class = np.array([[0, UNLABELLED, 1], [0, 0, UNLABELLED], [1, 1, 0]])
     assert labelled_purity(neighbour_class, np.array([0, 0, 1])) == pytest.approx(5 / 7)
     assert new_classes_if_mixed(220.0, 400, 60.0, 5, 0.3125) == pytest.approx(8.0)

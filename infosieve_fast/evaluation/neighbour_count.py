@@ -97,15 +97,15 @@ def count_by_neighbours(
         raise ValueError(f"{len(x)} points are too few for {neighbours} neighbours each: add images, or give K")
     classes = np.where(lab, np.asarray(targets), UNLABELLED)
     if len(x) <= max_points:
-        samples = [np.arange(len(x))]
+        points, counts = len(x), [count_points(x, classes, n_old, neighbours, prior_images)]
     else:
         draw = np.random.RandomState(seed)
-        samples = [np.sort(draw.choice(len(x), max_points, replace=False)) for _ in range(subsamples)]
-    counts = [
-        count_points(x[torch.from_numpy(rows).to(x.device)], classes[rows], n_old, neighbours, prior_images)
-        for rows in samples
-    ]
-    to_whole_set = len(x) / len(samples[0])
+        points, counts = max_points, []
+        for _ in range(subsamples):
+            rows = np.sort(draw.choice(len(x), max_points, replace=False))
+            x_rows = x[torch.from_numpy(rows).to(x.device)]
+            counts.append(count_points(x_rows, classes[rows], n_old, neighbours, prior_images))
+    to_whole_set = len(x) / points
     novel = to_whole_set * float(np.mean([count.novel_images for count in counts]))
     sizes = to_whole_set * np.mean([count.class_sizes for count in counts], axis=0)
     new_classes = novel / sizes.mean()
@@ -125,8 +125,8 @@ def count_by_neighbours(
         "labelled_purity": round(purity, 6),
         "mixing": round(mixing, 6),
         "k_if_mixed": round(n_old + new_if_mixed, 4),
-        "points": len(samples[0]),
-        "subsamples": len(samples),
+        "points": points,
+        "subsamples": len(counts),
         "neighbours": neighbours,
     }
 
