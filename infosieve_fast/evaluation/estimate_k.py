@@ -288,6 +288,18 @@ def range_reason(count: dict, low: int, high: int) -> str:
     )
 
 
+def mixing_reason(count: dict, known: int) -> str:
+    """What the allowance for the new images' mixing (neighbour_count.mixing_read_off_new_images) added, where it
+    moved K."""
+    if round(count["k_unrounded"]) == round(count["k_count"]):
+        return ""
+    return (
+        f"; the surely new images have labelled images among their {count['wide_neighbours']} nearest "
+        f"{count['new_mixing_share']:.0%} as often as the known classes' images have another known class's, so new "
+        f"images pass for known ones that often: {count['k_unrounded'] - known:.1f} new classes"
+    )
+
+
 def describe_choice(result: dict) -> str:
     """The answer's line for the terminal: how the rule reached its K, and the range."""
     known = result["search"]["k_min"]
@@ -297,8 +309,8 @@ def describe_choice(result: dict) -> str:
         said = (
             f"{count['novel_share']:.0%} of the unlabelled images (about {count['novel_images']:.0f}) lack the "
             f"labelled neighbours ({count['neighbours']} nearest) that the known classes' images have; at the known "
-            f"classes' mean size, {count['class_size']:.0f} images, that is {count['k_unrounded'] - known:.1f} new "
-            f"classes: K = {result['k_by_neighbours']} ({range_reason(count, low, high)})"
+            f"classes' mean size, {count['class_size']:.0f} images, that is {count['k_count'] - known:.1f} new "
+            f"classes{mixing_reason(count, known)}: K = {result['k_by_neighbours']} ({range_reason(count, low, high)})"
         )
     else:
         low, high = result["k_range"]
