@@ -1,7 +1,8 @@
 """Estimate the number of categories K when it is unknown (`infosieve estimate-k`), by one of two rules.
 
 The default, `rule="neighbours"`, counts the unlabelled images that lack the labelled neighbours the known classes'
-images have, in classes of the known classes' mean size (neighbour_count.py). `rule="score"` is GCD's search, below.
+images have, in classes of the known classes' mean size, allowing for the mixing the surely new ones show
+(neighbour_count.py). `rule="score"` is GCD's search, below.
 Both end with the novelty test ("nothing new", below). docs/kmeans.md measures both.
 
 The score rule is GCD's (Vaze et al. 2022, `methods/estimate_k/estimate_k.py`). For a candidate K, k-means runs on
@@ -181,7 +182,8 @@ def neighbours_estimate(x: torch.Tensor, y: np.ndarray, lab: np.ndarray, n_old: 
     count = count_by_neighbours(x, y, lab, n_old, seed=seed)
     return {
         "method": f"the unlabelled images without labelled neighbours ({count['neighbours']} nearest), counted in "
-        "classes of the known classes' mean size",
+        "classes of the known classes' mean size, with the mixing with the known classes that the surely new images "
+        f"show ({count['wide_neighbours']} nearest)",
         "search": {"k_min": n_old, "neighbours": count["neighbours"], "seed": seed},
         "k_by_neighbours": count["k"],
         "k_range": count["k_range"],
