@@ -296,5 +296,6 @@ def test_real_cub100_at_112_px_the_answer_allows_for_mixing(realdata):
     res = estimate_k(feats, y, labelled, 50)
     assert res["count"] == found and res["k_range"] == found["k_range"]
     said = describe_choice(res)
-    assert f"{found['k_count'] - 50:.1f} new classes; the surely new images have labelled images among their 10" in said
+    assert f"{found['k_count'] - 50:.1f} new classes; the surely new images' 10 nearest hold labelled images" in said
     assert f"{found['new_mixing_share']:.0%} as often" in said and f"K {round(found['k_if_mixed'])} then" in said
+    assert f"allowed for: {found['k_unrounded'] - 50:.1f} new classes: K = {found['k']} (" in said

@@ -296,9 +296,9 @@ def mixing_reason(count: dict, known: int) -> str:
     if round(count["k_unrounded"]) == round(count["k_count"]):
         return ""
     return (
-        f"; the surely new images have labelled images among their {count['wide_neighbours']} nearest "
-        f"{count['new_mixing_share']:.0%} as often as the known classes' images have another known class's, so new "
-        f"images pass for known ones that often: {count['k_unrounded'] - known:.1f} new classes"
+        f"; the surely new images' {count['wide_neighbours']} nearest hold labelled images "
+        f"{count['new_mixing_share']:.0%} as often as the known classes' images hold another known class's, and that "
+        f"share of the mixing is allowed for: {count['k_unrounded'] - known:.1f} new classes"
     )
 
 
