@@ -214,6 +214,8 @@ def test_bad_inputs_are_named():
     x, y, labelled = _three_groups()
     with pytest.raises(ValueError, match="12 points are too few for 20 neighbours each"):
         count_by_neighbours(x, y, labelled, 2, neighbours=20)
+    few = count_by_neighbours(x[:8], y[:8], labelled[:8], 2, neighbours=3)  # the two known groups alone
+    assert (few["wide_neighbours"], few["k"]) == (7, 2)  # the mixing is read on every other point there is
     one_each = np.array([1, 0, 0, 0] * 2 + [0] * 4, bool)  # one labelled image per class: no labelled neighbour
     with pytest.raises(ValueError, match="no labelled image has a labelled image among its nearest neighbours"):
         count_by_neighbours(x, y, one_each, 2, neighbours=3)
