@@ -42,12 +42,12 @@ Chosen on cub100 species 0-39 only (sets of 10 to 40 species, a third to three q
 EfficientNet-Lite0 features, each labelled by GCD's split and with each class in its own share; docs/kmeans.md has
 the commands, the table and the measurement on other species, at other scales and on CIFAR-10): of 3, 5 and 10
 neighbours and 0, 3, 10, 30 or all images' worth of the pool, only 3 and 5 neighbours with 10 images were within 10%
-of the true K on every answer of both labellings, and 5 has the smaller mean error. A class with one labelled image
-is read by the pool alone. The mixing is read on 10 wide neighbours (of 10, 20 and 30, on the same sets, also with
-the known classes drawn at random): the only one that keeps every answer of the sets with their first classes known
-within 10%, as the count alone was, while it lifts the random-known answers within 10% from 82% to 92% (GCD's split)
-and from 90% to 96% (each class labelled in its own share); 20 and 30 overshoot the first by up to 12.5%
-(docs/kmeans.md, "The new images' own mixing").
+of the true K on every answer of both labellings, and 5 has the smaller mean error (with the mixing allowance below,
+5 with 10 images alone is). A class with one labelled image is read by the pool alone. The mixing is read on 10
+wide neighbours (of 10, 20 and 30, on the same sets, also with the known classes drawn at random): the only one that
+keeps every answer of the sets with their first classes known within 10%, as the count alone was, while it lifts the
+random-known answers within 10% from 82% to 92% (GCD's split) and from 90% to 96% (each class labelled in its own
+share); 20 and 30 overshoot the first by up to 12.5% (docs/kmeans.md, "The new images' own mixing").
 
 Costs one [rows, points] similarity block at a time. Above `MAX_POINTS` points, `SUBSAMPLES` uniform random
 subsamples (seeded) are counted, which keeps every share in expectation, and their counts averaged: a set of many
@@ -114,16 +114,16 @@ def count_by_neighbours(
         raise ValueError(f"{len(x)} points are too few for {neighbours} neighbours each: add images, or give K")
     wide_neighbours = min(wide_neighbours, len(x) - 1)
     classes = np.where(lab, np.asarray(targets), UNLABELLED)
-    read = (n_old, neighbours, wide_neighbours, prior_images)
+    settings = (n_old, neighbours, wide_neighbours, prior_images)
     if len(x) <= max_points:
-        points, counts = len(x), [count_points(x, classes, *read)]
+        points, counts = len(x), [count_points(x, classes, *settings)]
     else:
         draw = np.random.RandomState(seed)
         points, counts = max_points, []
         for _ in range(subsamples):
             rows = np.sort(draw.choice(len(x), max_points, replace=False))
             x_rows = x[torch.from_numpy(rows).to(x.device)]
-            counts.append(count_points(x_rows, classes[rows], *read))
+            counts.append(count_points(x_rows, classes[rows], *settings))
     to_whole_set = len(x) / points
     novel = to_whole_set * float(np.mean([count.novel_images for count in counts]))
     sizes = to_whole_set * np.mean([count.class_sizes for count in counts], axis=0)
@@ -208,8 +208,8 @@ def mixing_read_off_new_images(counts: list[PointsCount], n_old: int) -> float:
     their nearest), against the share of labelled images of another known class among a labelled image's, scaled
     by n_old / (n_old - 1) as a new image has all n_old known classes to mix with; at most 1. Averaged over the
     subsamples `counts`. The surely new images are the new images that mix least, so the share reads low; on the
-    choice sets that made the answer neither low where the known classes mix more with each other than with the new
-    ones, nor high where they mix as much (docs/kmeans.md)."""
+    choice sets that low reading kept the answer from overshooting where the known classes mix more with each other
+    than with the new ones, where reading on more neighbours did not (docs/kmeans.md)."""
     surest = float(np.mean([count.surest_new_labelled for count in counts]))
     cross = float(np.mean([count.known_cross_labelled for count in counts]))
     if n_old < 2 or cross == 0:
