@@ -142,8 +142,7 @@ def summary(results: list[dict]) -> dict:
 def summary_of(results: list[dict]) -> dict:
     answers = [(row, result["true_k"]) for result in results for row in result["rows"]]
     errors = [row["relative_error"] for row, _ in answers]
-    counted = [round(row["k_count"]) / true_k - 1 for row, true_k in answers]
-    if_mixed = [round(row["k_if_mixed"]) / true_k - 1 for row, true_k in answers]
+    counted, if_mixed = (rounded_errors(answers, key) for key in ("k_count", "k_if_mixed"))
     return {
         "answers": len(errors),
         "within_10_percent": share_within_10_percent(errors),
@@ -158,6 +157,11 @@ def summary_of(results: list[dict]) -> dict:
         "k_if_mixed_within_10_percent": share_within_10_percent(if_mixed),
         "k_if_mixed_mean_relative_error": round(float(np.mean(if_mixed)), 4),
     }
+
+
+def rounded_errors(answers: list[tuple[dict, int]], key: str) -> list[float]:
+    """The relative errors of each row's `key`, rounded to a K, as an answer would be."""
+    return [round(row[key]) / true_k - 1 for row, true_k in answers]
 
 
 def share_within_10_percent(errors: list[float]) -> float:

@@ -127,15 +127,16 @@ def count_by_neighbours(
     to_whole_set = len(x) / points
     novel = to_whole_set * float(np.mean([count.novel_images for count in counts]))
     sizes = to_whole_set * np.mean([count.class_sizes for count in counts], axis=0)
-    new_classes = novel / sizes.mean()
+    class_size = float(sizes.mean())
+    new_classes = novel / class_size
     n_unlab = int((~lab).sum())
     purity = float(np.mean([count.labelled_purity for count in counts]))
-    mixing = (1 - purity) * n_old / (n_old - 1) if n_old > 1 else 0.0
-    new_if_mixed = new_classes_if_mixed(novel, n_unlab, float(sizes.mean()), n_old, mixing)
+    mixing = over_all_known_classes(1 - purity, n_old)
+    new_if_mixed = new_classes_if_mixed(novel, n_unlab, class_size, n_old, mixing)
     # Under half a class counted new is no new class (estimate_k keeps the known classes), and the allowance only
     # sizes new classes: scaling a few leftovers up would make one.
     shown = mixing_read_off_new_images(counts, n_old) if new_classes >= 0.5 else 0.0
-    new_as_shown = new_classes_if_mixed(novel, n_unlab, float(sizes.mean()), n_old, mixing * shown)
+    new_as_shown = new_classes_if_mixed(novel, n_unlab, class_size, n_old, mixing * shown)
     low, high = size_spread_range(new_classes, sizes)
     return {
         "k": n_old + int(round(new_as_shown)),
@@ -144,7 +145,7 @@ def count_by_neighbours(
         "k_range": [low, max(high, size_spread_range(new_if_mixed, sizes)[1])],
         "novel_share": round(novel / n_unlab, 6),
         "novel_images": round(novel, 2),
-        "class_size": round(float(sizes.mean()), 4),
+        "class_size": round(class_size, 4),
         "same_class_share": round(float(np.mean([count.same_class_share for count in counts])), 6),
         "labelled_purity": round(purity, 6),
         "mixing": round(mixing, 6),
@@ -211,10 +212,14 @@ def mixing_read_off_new_images(counts: list[PointsCount], n_old: int) -> float:
     choice sets that low reading kept the answer from overshooting where the known classes mix more with each other
     than with the new ones, where reading on more neighbours did not (docs/kmeans.md)."""
     surest = float(np.mean([count.surest_new_labelled for count in counts]))
-    cross = float(np.mean([count.known_cross_labelled for count in counts]))
-    if n_old < 2 or cross == 0:
-        return 0.0
-    return min(1.0, surest / (cross * n_old / (n_old - 1)))
+    cross = over_all_known_classes(float(np.mean([count.known_cross_labelled for count in counts])), n_old)
+    return min(1.0, surest / cross) if cross > 0 else 0.0
+
+
+def over_all_known_classes(share_of_others: float, n_old: int) -> float:
+    """A known image's `share_of_others` (of its neighbours, of the n_old - 1 other known classes) for a new image,
+    which has all n_old known classes to mix with; 0 with one known class (there is no other to read it from)."""
+    return share_of_others * n_old / (n_old - 1) if n_old > 1 else 0.0
 
 
 def labelled_purity(neighbour_class: np.ndarray, classes: np.ndarray) -> float:
